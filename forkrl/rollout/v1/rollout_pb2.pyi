@@ -1,0 +1,203 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Prompt(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("n", "temperature", "top_p", "max_new_tokens", "stop", "seed")
+    N_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    seed: int
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompts", "sampling", "request_tag")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_TAG_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    sampling: SamplingParams
+    request_tag: str
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_tag: _Optional[str] = ...) -> None: ...
+
+class Trajectory(_message.Message):
+    __slots__ = ("prompt_index", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_text", "logprobs", "finish_reason", "policy_version")
+    PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_text: str
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: FinishReason
+    policy_version: int
+    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("trajectory",)
+    TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    trajectory: Trajectory
+    def __init__(self, trajectory: _Optional[_Union[Trajectory, _Mapping]] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class WeightsHeader(_message.Message):
+    __slots__ = ("target_version", "tensors", "total_bytes", "sha256")
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    target_version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    total_bytes: int
+    sha256: str
+    def __init__(self, target_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: WeightsHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("version", "receive_s", "apply_s", "bytes_received")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_S_FIELD_NUMBER: _ClassVar[int]
+    APPLY_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    receive_s: float
+    apply_s: float
+    bytes_received: int
+    def __init__(self, version: _Optional[int] = ..., receive_s: _Optional[float] = ..., apply_s: _Optional[float] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class LoadWeightsRequest(_message.Message):
+    __slots__ = ("path", "target_version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    target_version: int
+    def __init__(self, path: _Optional[str] = ..., target_version: _Optional[int] = ...) -> None: ...
+
+class LoadWeightsResponse(_message.Message):
+    __slots__ = ("version", "apply_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLY_S_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    apply_s: float
+    def __init__(self, version: _Optional[int] = ..., apply_s: _Optional[float] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineSettings(_message.Message):
+    __slots__ = ("dtype", "max_model_len", "enforce_eager", "logprobs_mode", "kv_cache_gib", "device", "vllm_version")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_GIB_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    max_model_len: int
+    enforce_eager: bool
+    logprobs_mode: str
+    kv_cache_gib: float
+    device: str
+    vllm_version: str
+    def __init__(self, dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., enforce_eager: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., kv_cache_gib: _Optional[float] = ..., device: _Optional[str] = ..., vllm_version: _Optional[str] = ...) -> None: ...
+
+class Counters(_message.Message):
+    __slots__ = ("requests", "samples", "prompt_tokens", "generated_tokens", "aborted_requests", "weight_reloads", "rejected_weight_updates", "running_requests")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_RELOADS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    samples: int
+    prompt_tokens: int
+    generated_tokens: int
+    aborted_requests: int
+    weight_reloads: int
+    rejected_weight_updates: int
+    running_requests: int
+    def __init__(self, requests: _Optional[int] = ..., samples: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., weight_reloads: _Optional[int] = ..., rejected_weight_updates: _Optional[int] = ..., running_requests: _Optional[int] = ...) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("model", "version", "engine", "counters", "vocab_size", "eos_token_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    engine: EngineSettings
+    counters: Counters
+    vocab_size: int
+    eos_token_id: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., engine: _Optional[_Union[EngineSettings, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
