@@ -1,0 +1,165 @@
+"""Atomic HF checkpoints with resumable trainer state, without pickle.
+
+Layout (what the probe and `--resume` read):
+
+    <run_dir>/checkpoints/step_000020/
+        config.json, model.safetensors, tokenizer*   save_pretrained: transformers and vLLM load it as is
+        optimizer.safetensors                         AdamW moments, named "<param>.exp_avg" / ".exp_avg_sq"
+        trainer_state.json                            step, data cursor, optimizer scalars, RNG state, config
+    <run_dir>/checkpoints/final/
+
+A checkpoint is written into a hidden temp dir next to its final place and renamed when complete, so a crash
+leaves either the whole checkpoint or an ignorable `.tmp-*` dir, never a half checkpoint that looks whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+STATE_FILE = "trainer_state.json"
+OPTIM_FILE = "optimizer.safetensors"
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def save_checkpoint(
+    run_dir: Path,
+    name: str,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+) -> Path:
+    """Write `<run_dir>/checkpoints/<name>` atomically and return its path.
+
+    `state` must be JSON-serializable (step, data cursor, config, ...). The torch RNG state is added here.
+    """
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        extra_tensors: dict[str, torch.Tensor] = {"__torch_rng_state__": torch.get_rng_state()}
+        optim_meta: dict[str, Any] = {}
+        if optimizer is not None:
+            tensors, optim_meta = _optimizer_to_tensors(model, optimizer)
+            extra_tensors.update(tensors)
+        save_file(extra_tensors, str(tmp / OPTIM_FILE))
+        payload = dict(state, optimizer=optim_meta, saved_at=time.time())
+        # trainer_state.json is written last: its presence marks a complete checkpoint.
+        _write_json(tmp / STATE_FILE, payload)
+        _fsync_dir(tmp)
+        if final.exists():
+            trash = root / f".old-{name}-{time.monotonic_ns()}"
+            final.rename(trash)
+            tmp.rename(final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete `step_NNNNNN` checkpoints of a run, sorted by step."""
+    root = Path(run_dir) / "checkpoints"
+    found = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = _STEP_RE.match(p.name)
+            if m and (p / STATE_FILE).is_file():
+                found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest step (`final/` counts with its recorded step)."""
+    candidates = list_checkpoints(run_dir)
+    final = Path(run_dir) / "checkpoints" / "final"
+    if (final / STATE_FILE).is_file():
+        candidates.append((read_state(final)["step"], final))
+    if not candidates:
+        return None
+    # On equal steps prefer step_NNNNNN (it is the same weights; the name is stable).
+    return max(candidates, key=lambda sp: (sp[0], sp[1].name != "final"))[1]
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    return json.loads((Path(ckpt) / STATE_FILE).read_text())
+
+
+def load_optimizer_state(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Restore AdamW moments/step counts and the torch RNG state saved by `save_checkpoint`."""
+    tensors = load_file(str(Path(ckpt) / OPTIM_FILE))
+    torch.set_rng_state(tensors.pop("__torch_rng_state__"))
+    meta = read_state(ckpt).get("optimizer") or {}
+    if not meta:
+        return
+    names = {p: n for n, p in model.named_parameters()}
+    sd = optimizer.state_dict()
+    new_state: dict[int, dict[str, Any]] = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names[p]
+            if name in meta["steps"]:
+                new_state[index] = {
+                    "step": torch.tensor(float(meta["steps"][name])),
+                    "exp_avg": tensors[f"{name}.exp_avg"],
+                    "exp_avg_sq": tensors[f"{name}.exp_avg_sq"],
+                }
+            index += 1
+    sd["state"] = new_state
+    optimizer.load_state_dict(sd)
+
+
+def _optimizer_to_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    names = {p: n for n, p in model.named_parameters()}
+    tensors: dict[str, torch.Tensor] = {}
+    steps: dict[str, float] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if not st:
+                continue
+            name = names[p]
+            tensors[f"{name}.exp_avg"] = st["exp_avg"].detach().contiguous().clone()
+            tensors[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().contiguous().clone()
+            steps[name] = float(st["step"])
+    return tensors, {"steps": steps}
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,142 @@
+"""grpc.aio wiring of the trainer service: transport only; runs live in runs.py, the loop in loop.py."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import ValidationError
+
+from forkrl.run_config import describe_validation_error, from_proto, to_proto
+from forkrl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from trainer_service.config import TrainerSettings
+from trainer_service.runs import Run, RunConflict, RunManager, UnknownRun
+
+log = logging.getLogger("trainer_service")
+SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+
+
+def _metrics_pb(step: int, values: dict[str, float]) -> trainer_pb2.StepMetrics:
+    msg = trainer_pb2.StepMetrics(step=step)
+    for k, v in values.items():
+        msg.values[k] = float(v)
+    return msg
+
+
+def _item_pb(item: dict) -> trainer_pb2.WatchRunResponse:
+    if item["type"] == "metrics":
+        return trainer_pb2.WatchRunResponse(metrics=_metrics_pb(item["step"], item["values"]))
+    ev = trainer_pb2.RunEvent(
+        kind=trainer_pb2.EventKind.Value("EVENT_KIND_" + item["kind"]),
+        step=int(item["step"]),
+        message=item["message"],
+        path=item.get("path", ""),
+        state=trainer_pb2.RunState.Value("RUN_STATE_" + item["state"]) if item.get("state") else 0,
+    )
+    for k, v in item.get("values", {}).items():
+        ev.values[k] = float(v)
+    return trainer_pb2.WatchRunResponse(event=ev)
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(self, manager: RunManager, preflight) -> None:
+        self.manager = manager
+        self.preflight = preflight
+
+    def _run_pb(self, run: Run) -> trainer_pb2.GetRunResponse:
+        return trainer_pb2.GetRunResponse(
+            run_id=run.run_id, state=trainer_pb2.RunState.Value("RUN_STATE_" + run.state), step=run.step,
+            num_steps=run.config.num_steps, config=to_proto(run.config), error=run.error,
+            run_dir=str(run.run_dir), last_metrics=_metrics_pb(run.step, run.last_metrics),
+        )
+
+    async def StartRun(self, request, context):
+        try:
+            config = from_proto(request.config)
+        except ValidationError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(err))
+        try:
+            config = await asyncio.to_thread(self.preflight, config, self.manager.runs_root)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except FileNotFoundError as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        try:
+            run = self.manager.start(config)
+        except RunConflict as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        return trainer_pb2.StartRunResponse(run_id=run.run_id, run_dir=str(run.run_dir), start_step=run.start_step)
+
+    async def GetRun(self, request, context):
+        try:
+            run = self.manager.get(request.run_id)
+        except UnknownRun as err:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
+        return self._run_pb(run)
+
+    async def StopRun(self, request, context):
+        try:
+            run = self.manager.stop(request.run_id)
+        except UnknownRun as err:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
+        return trainer_pb2.StopRunResponse(state=trainer_pb2.RunState.Value("RUN_STATE_" + run.state))
+
+    async def WatchRun(self, request, context):
+        try:
+            run = self.manager.get(request.run_id)
+        except UnknownRun as err:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
+        index = 0
+        while True:
+            items, done = await asyncio.to_thread(run.wait_history, index, 1.0)
+            for item in items:
+                yield _item_pb(item)
+            index += len(items)
+            if done and not items:
+                return
+
+
+async def _serve(settings: TrainerSettings) -> int:
+    from trainer_service.loop import preflight, run_training
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20)])
+    manager = RunManager(Path(settings.runs_root), lambda run: run_training(run, settings))
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(manager, preflight), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise SystemExit(f"could not bind {settings.host}:{settings.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("trainer service listening on %s:%d (runs root %s)", settings.host, port, settings.runs_root)
+    print(f"trainer service listening on {settings.host}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: stopping the active run (it writes a checkpoint)")
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await asyncio.to_thread(manager.shutdown, settings.grace_s * 6)
+    await server.stop(settings.grace_s)
+    return 0
+
+
+def serve(settings: TrainerSettings) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(settings.threads)
+    return asyncio.run(_serve(settings))
