@@ -146,7 +146,10 @@ _ENUMS = {
     "mask_norm": ("MaskNorm", "MASK_NORM_"),
     "weight_sync": ("WeightSync", "WEIGHT_SYNC_"),
 }
+# proto3 `optional` fields: presence is explicit. Nullable ones map unset → None; the others (where 0 is a
+# valid value) map unset → the model default.
 _OPTIONAL = ("entropy_top_frac", "clip_low", "clip_high", "dual_clip_c", "cispo_max_weight")
+_PRESENCE = ("eval_prompts", "adam_beta1", "adam_beta2")
 
 
 def to_proto(cfg: RunConfig) -> Any:
@@ -180,13 +183,16 @@ def from_proto(msg: Any) -> RunConfig:
                 data[name] = getattr(trainer_pb2, enum_name).Name(value).removeprefix(prefix).lower()
         elif name in _OPTIONAL:
             data[name] = getattr(msg, name) if msg.HasField(name) else None
+        elif name in _PRESENCE:
+            if msg.HasField(name):
+                data[name] = getattr(msg, name)
         elif name == "rollout_addresses":
             if msg.rollout_addresses:
                 data[name] = list(msg.rollout_addresses)
         else:
             value = getattr(msg, name)
             # proto3 scalars cannot say "unset": a zero means "use the default" for fields whose default
-            # is not zero. (Fields where 0 is meaningful all default to 0.)
+            # is not zero (for all of them 0 is invalid); fields where 0 is valid are in _PRESENCE.
             if isinstance(value, str) or value or getattr(defaults, name, None) in (0, 0.0, False):
                 data[name] = value
     return RunConfig(**data)

@@ -1,0 +1,103 @@
+"""forkrl.step: batch layout, logp alignment, gradient accumulation and the mask through a real model."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from forkrl.losses import LossConfig
+from forkrl.step import _forward, build_batch, train_step
+
+VOCAB = 23
+
+
+def _model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).float()
+
+
+def _trajectories(n: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    prompts, comps, lps = [], [], []
+    for _ in range(n):
+        p = torch.randint(3, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        c = torch.randint(3, VOCAB, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        prompts.append(p)
+        comps.append(c)
+        lps.append([-1.0] * len(c))
+    return prompts, comps, lps
+
+
+def test_build_batch_marks_exactly_the_completion_targets() -> None:
+    b = build_batch([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [[-0.1, -0.2], [-0.3, -0.4, -0.5]], pad_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7, 9, 10], [8, 11, 12, 13, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    # target j is input_ids[j + 1]: completion targets of row 0 are at 2, 3; of row 1 at 0, 1, 2
+    assert b.response_mask.tolist() == [[False, False, True, True], [True, True, True, False]]
+    assert b.response_mask.dtype == torch.bool
+    assert torch.allclose(b.rollout_logp, torch.tensor([[0, 0, -0.1, -0.2], [-0.3, -0.4, -0.5, 0]]))
+    with pytest.raises(ValueError, match="trajectory 0: 2 completion tokens but 1 logprobs"):
+        build_batch([[1]], [[2, 3]], [[-1.0]], pad_id=0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        build_batch([[]], [[2]], [[-1.0]], pad_id=0)
+
+
+def test_forward_logp_equals_teacher_forced_reference() -> None:
+    model = _model()
+    prompts, comps, lps = _trajectories(5)
+    batch = build_batch(prompts, comps, lps, pad_id=0)
+    T = 0.7
+    with torch.no_grad():
+        logp, ent = _forward(model, batch, T, True)
+        for i, (p, c) in enumerate(zip(prompts, comps, strict=True)):
+            ids = torch.tensor([p + c])
+            ref = torch.log_softmax(model(ids).logits[0].double() / T, -1)
+            for k, tok in enumerate(c):
+                pos = len(p) - 1 + k
+                assert abs(float(logp[i, pos]) - float(ref[pos, tok])) < 1e-5
+                probs = ref[pos].exp()
+                assert abs(float(ent[i, pos]) - float(-(probs * ref[pos]).sum())) < 1e-5
+        assert float(logp[~batch.response_mask].abs().max()) == 0.0
+
+
+def _update(model, batch, adv, cfg, micro):
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    metrics = train_step(model, opt, batch, adv, cfg, temperature=1.0, micro_batch_size=micro, max_grad_norm=1e9)
+    return model, metrics
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo", "rloo", "gspo", "cispo"])
+def test_gradient_accumulation_equals_full_batch(loss: str) -> None:
+    model = _model()
+    prompts, comps, lps = _trajectories(8)
+    batch = build_batch(prompts, comps, lps, pad_id=0)
+    adv = torch.linspace(-1, 1, 8)
+    for rho, scope in ((None, "microbatch"), (0.3, "step")):
+        cfg = LossConfig(name=loss, max_len=8, entropy_top_frac=rho, mask_scope=scope)
+        full, m_full = _update(model, batch, adv, cfg, micro=8)
+        accum, m_acc = _update(model, batch, adv, cfg, micro=2)
+        assert m_acc["micro_batches"] == 4.0 and m_full["micro_batches"] == 1.0
+        assert m_acc["loss"] == pytest.approx(m_full["loss"], abs=1e-6)
+        for (name, a), b in zip(full.named_parameters(), accum.parameters(), strict=True):
+            assert torch.allclose(a, b, atol=1e-6), name
+        assert m_acc["kept_tokens"] == m_full["kept_tokens"]
+
+
+def test_microbatch_mask_keeps_exact_k_per_micro_batch() -> None:
+    model = _model()
+    prompts, comps, lps = _trajectories(8, seed=3)
+    batch = build_batch(prompts, comps, lps, pad_id=0)
+    cfg = LossConfig(name="dapo", entropy_top_frac=0.2)
+    _, m = _update(model, batch, torch.ones(8), cfg, micro=4)
+    counts = [int(batch.response_mask[s:s + 4].sum()) for s in (0, 4)]
+    assert m["kept_tokens"] == sum(max(1, math.ceil(0.2 * c)) for c in counts)
+    assert m["response_tokens"] == sum(counts)
+    assert 0 < m["kept_frac"] < 0.5
+    assert m["logp_delta_mean"] > 0  # the fake rollout logprobs (-1) differ from the model's
