@@ -62,7 +62,7 @@ def loss_config(cfg: RunConfig) -> LossConfig:
     return LossConfig(
         name=cfg.loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c,
         kl_beta=cfg.kl_beta, cispo_max_weight=cfg.cispo_max_weight, max_len=cfg.max_new_tokens,
-        mask_norm=cfg.mask_norm if cfg.entropy_top_frac not in (None, 1.0) or cfg.loss != "gspo" else None,
+        mask_norm=cfg.mask_norm,
         entropy_top_frac=cfg.entropy_top_frac, mask_scope=cfg.mask_scope,
     )
 
