@@ -49,6 +49,9 @@ def save_checkpoint(
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
+    # Debris of a writer that died mid-save (kill -9): never complete, safe to drop. One writer per run dir.
+    for stale in [*root.glob(".tmp-*"), *root.glob(".old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{name}-{os.getpid()}-{time.monotonic_ns()}"
     tmp.mkdir()
     try:
