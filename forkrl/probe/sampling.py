@@ -1,0 +1,343 @@
+"""Sampling, grading, the no-grad entropy pass, entropy bins and position selection (algorithms.md §4.1).
+
+    trajs = sample_trajectories(model, prompt_ids, group_size=8, temperature=1.0, max_new_tokens=11,
+                                seed=0, eos_ids={2}, pad_id=0)
+    grade(trajs, tokenizer, problems, reward="")           # fills text / reward / correct
+    stats = token_stats(model, trajs, temperature=1.0)     # per-token entropy and logp of each response
+    bins = rank_bins(entropy, 5, seeded_generator(0, "bins"))
+    chosen, available = select_positions(bins, traj_of, correct_of, eligible, n_bins=5, per_cell=64, per_traj=4)
+
+Sampling is plain ancestral sampling from softmax(z / T) (top-p 1, no top-k, as in RL rollouts, §1.3),
+batched over prompts of equal length with a KV cache, driven by a job-local `torch.Generator` so two jobs in
+one process never share RNG state. Each response is cut at its first EOS, **keeping the EOS** (the EOS is
+a generated token the policy chose and is trained on); everything after it is padding, and padding never
+reaches a statistic: the entropy pass only scores response tokens, and positions index real tokens only.
+
+Bins are by rank, not by value edges: pool every response token, sort by (H, seeded random tie-break) and
+set bin = floor(K * rank / N). Near-zero entropies tie a lot, and quantile edges then collapse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "TokenStats",
+    "Trajectory",
+    "grade",
+    "pad_right",
+    "rank_bins",
+    "resolve_reward_name",
+    "sample_trajectories",
+    "seeded_generator",
+    "select_positions",
+    "token_stats",
+    "trim_at_eos",
+]
+
+
+@dataclass
+class Trajectory:
+    """One sampled response. `response_ids` ends at (and includes) the first EOS when `finished`."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    finished: bool
+    text: str = ""
+    reward: float | None = None
+    correct: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def n_response(self) -> int:
+        return len(self.response_ids)
+
+
+def trim_at_eos(tokens: Sequence[int], eos_ids: Iterable[int]) -> tuple[list[int], bool]:
+    """Tokens up to and including the first EOS, and whether an EOS was found."""
+    eos = set(eos_ids)
+    for i, tok in enumerate(tokens):
+        if tok in eos:
+            return list(tokens[: i + 1]), True
+    return list(tokens), False
+
+
+def _float_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.no_grad()
+def sample_trajectories(
+    model: nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    group_size: int,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    eos_ids: Iterable[int],
+    pad_id: int,
+    batch_size: int = 64,
+    check: Callable[[], None] | None = None,
+) -> list[Trajectory]:
+    """`group_size` samples per prompt, prompt-major order (trajectory i*G + g is sample g of prompt i).
+
+    `check` is called before every batch (the job's cancellation check raises from it)."""
+    if group_size < 1 or max_new_tokens < 1 or batch_size < 1:
+        raise ValueError("group_size, max_new_tokens and batch_size must be >= 1")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    eos = sorted(set(int(e) for e in eos_ids))
+    if not eos:
+        raise ValueError("at least one EOS token id is needed")
+    device = next(model.parameters()).device
+    eos_t = torch.tensor(eos, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rows = [(p, list(prompt_ids[p])) for p in range(len(prompt_ids)) for _ in range(group_size)]
+    if any(len(ids) == 0 for _, ids in rows):
+        raise ValueError("empty prompt")
+    # Batches hold prompts of one length only, so no prompt is ever padded: no position-id shifts, no
+    # fully-masked attention rows (eager float64 attention turns those into NaN that leaks into real rows),
+    # and a batched sample is computed exactly like an unbatched one.
+    by_len: dict[int, list[int]] = {}
+    for r, (_, ids) in enumerate(rows):
+        by_len.setdefault(len(ids), []).append(r)
+    responses: dict[int, list[int]] = {}
+    for members in by_len.values():
+        for start in range(0, len(members), batch_size):
+            chunk = members[start : start + batch_size]
+            if check is not None:
+                check()
+            ids = torch.tensor([rows[r][1] for r in chunk], dtype=torch.long, device=device)
+            for r, toks in zip(
+                chunk, _sample_batch(model, ids, temperature, max_new_tokens, eos_t, pad_id, gen), strict=True
+            ):
+                responses[r] = toks
+    out: list[Trajectory] = []
+    for r, (p, p_ids) in enumerate(rows):
+        resp, finished = trim_at_eos(responses[r], eos)
+        out.append(Trajectory(r, p, p_ids, resp, finished))
+    return out
+
+
+def _sample_batch(
+    model: nn.Module,
+    ids: Tensor,
+    temperature: float,
+    max_new_tokens: int,
+    eos_t: Tensor,
+    pad_id: int,
+    gen: torch.Generator,
+) -> list[list[int]]:
+    """Ancestral sampling with a KV cache for equal-length prompts; rows that hit EOS continue as pad."""
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    new_tokens: list[Tensor] = []
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    for step in range(max_new_tokens):
+        logits = out.logits[:, -1]
+        probs = torch.softmax(logits.to(_float_dtype(logits.dtype)) / temperature, dim=-1)
+        tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        new_tokens.append(tok)
+        done |= torch.isin(tok, eos_t)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        out = model(input_ids=tok[:, None], past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+    return torch.stack(new_tokens, dim=1).tolist()
+
+
+def resolve_reward_name(reward: str, dataset: str) -> str:
+    """The training convention: empty = exact_match for a built-in task, math_verify for a dataset."""
+    return reward or ("math_verify" if dataset else "exact_match")
+
+
+def grade(trajs: Sequence[Trajectory], tokenizer, problems: Sequence, reward: str = "", dataset: str = "") -> None:
+    """Decode each response (EOS and other special tokens dropped) and score it in place.
+
+    correct = reward > 0, which fits both the 1/0 and the +1/-1 conventions; a None reward (ungradable gold
+    answer) counts as not correct.
+    """
+    for t in trajs:
+        t.text = tokenizer.decode(t.response_ids, skip_special_tokens=True)
+    texts = [t.text for t in trajs]
+    probs = [problems[t.prompt_index] for t in trajs]
+    name = resolve_reward_name(reward, dataset)
+    try:
+        from forkrl.rewards import get_reward_fn
+    except ImportError:  # the core's reward module is not there yet: built-in exact match
+        get_reward_fn = None
+    if get_reward_fn is not None:
+        result = get_reward_fn(name)(texts, probs)
+        rewards = list(getattr(result, "rewards", result))
+    elif name == "exact_match":
+        from forkrl.tasks import extract_answer
+
+        rewards = [float(extract_answer(x) == p.answer) for x, p in zip(texts, probs, strict=True)]
+    else:
+        raise ValueError(f"reward {name!r} needs forkrl.rewards, which is not available")
+    for t, r in zip(trajs, rewards, strict=True):
+        t.reward = None if r is None else float(r)
+        t.correct = t.reward is not None and t.reward > 0
+
+
+def pad_right(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Right-padded (B, L) ids and attention mask. Real tokens come first, so causal attention never lets a
+    pad position influence a real one."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(list(s), dtype=torch.long, device=device)
+        attn[r, : len(s)] = 1
+    return ids, attn
+
+
+@dataclass
+class TokenStats:
+    """Per response token of one trajectory (length = n_response): entropy and logp at T, entropy at T=1."""
+
+    entropy: Tensor
+    logp: Tensor
+    entropy_t1: Tensor | None = None
+
+
+def _logp_entropy(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    try:
+        from forkrl.entropy import token_logprobs_and_entropy
+    except ImportError:  # pragma: no cover - the core module exists in the project
+        s = logits.to(_float_dtype(logits.dtype)) / temperature
+        logq = torch.log_softmax(s, -1)
+        ent = (-(logq.exp() * logq).sum(-1)).clamp_min(0)
+        return logq.gather(-1, targets[:, None]).squeeze(-1), ent
+    if logits.dtype == torch.float64:  # keep float64 exact for float64 test models
+        logq = torch.log_softmax(logits / temperature, -1)
+        return logq.gather(-1, targets[:, None]).squeeze(-1), (-(logq.exp() * logq).sum(-1)).clamp_min(0)
+    logp, ent = token_logprobs_and_entropy(logits, targets, temperature=temperature, with_entropy=True)
+    return logp, ent
+
+
+def _cat(xs: list[Tensor]) -> Tensor:
+    return torch.cat(xs).double().cpu() if xs else torch.zeros(0, dtype=torch.float64)
+
+
+@torch.no_grad()
+def token_stats(
+    model: nn.Module,
+    trajs: Sequence[Trajectory],
+    *,
+    temperature: float,
+    also_t1: bool = False,
+    batch_size: int = 32,
+    pad_id: int = 0,
+    chunk_rows: int = 1024,
+    check: Callable[[], None] | None = None,
+) -> list[TokenStats]:
+    """Entropy H and logp of every response token (§1), computed from the backbone's hidden states at the
+    response positions only, with the vocab projection in chunks (§1.2): no (B, L, V) tensor is built."""
+    device = next(model.parameters()).device
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings()
+    # models that post-process logits (soft-capping, scaling) go through the full forward instead
+    post = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale"))
+    results: list[TokenStats] = []
+    for start in range(0, len(trajs), batch_size):
+        chunk = trajs[start : start + batch_size]
+        if check is not None:
+            check()
+        ids, attn = pad_right([t.ids for t in chunk], pad_id, device)
+        # logits at position p score token p + 1: response token j of row r sits at P_r + j
+        rows_b, rows_p = [], []
+        for r, t in enumerate(chunk):
+            p0 = len(t.prompt_ids)
+            rows_b += [r] * t.n_response
+            rows_p += list(range(p0 - 1, p0 - 1 + t.n_response))
+        b_idx = torch.tensor(rows_b, dtype=torch.long, device=device)
+        p_idx = torch.tensor(rows_p, dtype=torch.long, device=device)
+        targets = ids[b_idx, p_idx + 1]
+        use_hidden = decoder is not None and head is not None and not post
+        if use_hidden:
+            rows = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[b_idx, p_idx]
+        else:
+            rows = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[b_idx, p_idx]
+        ents, logps, ents1 = [], [], []
+        for s in range(0, len(rows_b), chunk_rows):
+            e = min(s + chunk_rows, len(rows_b))
+            logits = head(rows[s:e]) if use_hidden else rows[s:e]
+            lp, h = _logp_entropy(logits, targets[s:e], temperature)
+            logps.append(lp)
+            ents.append(h)
+            if also_t1:
+                ents1.append(_logp_entropy(logits, targets[s:e], 1.0)[1])
+        ent, lp = _cat(ents), _cat(logps)
+        ent1 = _cat(ents1) if also_t1 else None
+        off = 0
+        for t in chunk:
+            n = t.n_response
+            h1 = None if ent1 is None else ent1[off : off + n]
+            results.append(TokenStats(ent[off : off + n], lp[off : off + n], h1))
+            off += n
+    return results
+
+
+def seeded_generator(seed: int, *parts: object) -> torch.Generator:
+    """A CPU generator for (seed, parts): independent, reproducible streams per purpose and checkpoint."""
+    digest = hashlib.sha256("\x00".join(map(str, (seed, *parts))).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") & ((1 << 63) - 1))
+
+
+def rank_bins(entropy: Tensor, n_bins: int, gen: torch.Generator) -> Tensor:
+    """bin = floor(K * rank / N), rank by (H, seeded random tie-break): equal-count bins even with ties."""
+    n = entropy.numel()
+    perm = torch.randperm(n, generator=gen)
+    order = perm[torch.sort(entropy[perm], stable=True).indices]
+    rank = torch.empty(n, dtype=torch.long)
+    rank[order] = torch.arange(n)
+    return (rank * n_bins) // max(n, 1)
+
+
+def select_positions(
+    bins: Tensor,
+    traj_of: Tensor,
+    correct_of: Tensor,
+    eligible: Tensor,
+    *,
+    n_bins: int,
+    per_cell: int,
+    per_traj: int,
+    seed: int = 0,
+    salt: str = "",
+) -> tuple[dict[tuple[int, bool], list[int]], dict[tuple[int, bool], int]]:
+    """Token indices per (bin, correct) cell, and the number of eligible tokens per cell.
+
+    A seeded shuffle of the cell's eligible tokens, taking each unless its trajectory already gave
+    `per_traj` tokens to this cell, until `per_cell`."""
+    chosen: dict[tuple[int, bool], list[int]] = {}
+    available: dict[tuple[int, bool], int] = {}
+    for b in range(n_bins):
+        for c in (True, False):
+            cand = ((bins == b) & (correct_of == c) & eligible).nonzero().squeeze(-1)
+            available[(b, c)] = int(cand.numel())
+            cand = cand[torch.randperm(cand.numel(), generator=seeded_generator(seed, salt, b, c))].tolist()
+            taken: list[int] = []
+            per: dict[int, int] = {}
+            for i in cand:
+                tr = int(traj_of[i])
+                if per.get(tr, 0) >= per_traj:
+                    continue
+                per[tr] = per.get(tr, 0) + 1
+                taken.append(i)
+                if len(taken) >= per_cell:
+                    break
+            chosen[(b, c)] = sorted(taken)
+    return chosen, available

@@ -1,0 +1,159 @@
+"""HTTP routes of the probe service. The work happens in `forkrl.probe`; jobs in `probe_service.jobs`.
+
+POST   /probe                      202 + Location (or 200 + summary with ?wait=true)
+GET    /probe                      all jobs
+GET    /probe/{id}                 status, progress, timings, error, summary when done
+GET    /probe/{id}/records         token_probe_records.jsonl (?format=json for a JSON list)
+GET    /probe/{id}/manifest        manifest.json
+GET    /probe/{id}/plot.png        ?checkpoint=<label>
+DELETE /probe/{id}                 cancel (409 once finished)
+GET    /healthz, /metrics
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import FileResponse, JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from probe_service.config import ProbeSettings
+from probe_service.jobs import Job, JobFinished, JobManager, JobNotFound, QueueFull, RequestError, build_params
+from probe_service.schemas import JobCreated, JobList, JobStatus, ProbeRequest
+
+
+def create_app(settings: ProbeSettings | None = None) -> FastAPI:
+    settings = settings or ProbeSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        torch.set_num_threads(settings.threads)
+        hf_logging.disable_progress_bar()  # per-load weight bars would flood the service log
+        manager.start()
+        yield
+        manager.shutdown()
+
+    manager = JobManager(settings)
+    app = FastAPI(
+        title="forkrl probe service",
+        description="Entropy-binned exact gradient statistics of RL checkpoints (algorithms.md §4).",
+        version="1",
+        lifespan=lifespan,
+    )
+    app.state.settings, app.state.manager = settings, manager
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status, content={"detail": exc.message, **exc.extra})
+
+    def _job(job_id: str) -> Job:
+        try:
+            return manager.get(job_id)
+        except JobNotFound:
+            raise HTTPException(404, f"no job {job_id}") from None
+
+    def _status(job: Job, request: Request) -> JobStatus:
+        base = str(request.url_for("job_status", job_id=job.id))
+        links = {"self": base, "records": f"{base}/records", "manifest": f"{base}/manifest"}
+        for c in (job.summary or {}).get("checkpoints", []):
+            links[f"plot:{c['label']}"] = f"{base}/plot.png?checkpoint={c['label']}"
+        return JobStatus(**job.status_dict(), links=links, summary=job.summary if job.state == "done" else None)
+
+    def _output(job: Job, name: str) -> Path:
+        if job.state != "done":
+            raise HTTPException(409, f"job {job.id} is {job.state}; outputs exist once it is done")
+        path = job.out_dir / name
+        if not path.is_file():
+            raise HTTPException(404, f"job {job.id} has no {name}")
+        return path
+
+    @app.post(
+        "/probe",
+        status_code=202,
+        response_model=JobCreated,
+        responses={200: {"description": "?wait=true: the finished job's summary"}, 429: {"description": "full"}},
+    )
+    def submit(
+        req: ProbeRequest,
+        request: Request,
+        response: Response,
+        wait: bool = Query(False, description="Block until the job ends and return its summary (200)."),
+    ):
+        params = build_params(req, settings)
+        try:
+            job = manager.submit(params)
+        except QueueFull as exc:
+            raise HTTPException(429, str(exc), headers={"Retry-After": "30"}) from None
+        location = str(request.url_for("job_status", job_id=job.id))
+        if wait and job.finished_event.wait(settings.wait_timeout_s):
+            if job.state == "done":
+                return JSONResponse(job.summary, headers={"Location": location})
+            code = 409 if job.state == "cancelled" else 500
+            return JSONResponse(
+                {"detail": job.error or f"job {job.state}", "id": job.id}, code, headers={"Location": location}
+            )
+        response.headers["Location"] = location
+        return JobCreated(id=job.id, state=job.state, location=location)
+
+    @app.get("/probe", response_model=JobList)
+    def list_jobs(request: Request) -> JobList:
+        return JobList(jobs=[_status(j, request) for j in manager.list()])
+
+    @app.get("/probe/{job_id}", response_model=JobStatus, name="job_status")
+    def job_status(job_id: str, request: Request) -> JobStatus:
+        return _status(_job(job_id), request)
+
+    @app.get("/probe/{job_id}/records")
+    def records(
+        job_id: str, format: str = Query("jsonl", pattern="^(jsonl|json)$", description="jsonl or json (a list)")
+    ):
+        path = _output(_job(job_id), "token_probe_records.jsonl")
+        if format == "json":
+            return JSONResponse([json.loads(line) for line in path.read_text().splitlines() if line])
+        return FileResponse(path, media_type="application/x-ndjson", filename=f"{job_id}-records.jsonl")
+
+    @app.get("/probe/{job_id}/manifest")
+    def manifest(job_id: str):
+        return JSONResponse(json.loads(_output(_job(job_id), "manifest.json").read_text()))
+
+    @app.get("/probe/{job_id}/plot.png", response_class=FileResponse)
+    def plot(job_id: str, checkpoint: str | None = Query(None, description="Checkpoint label, e.g. step_000020")):
+        job = _job(job_id)
+        _output(job, "summary.json")
+        labels = [c["label"] for c in (job.summary or {}).get("checkpoints", [])]
+        if checkpoint is None:
+            if len(labels) != 1:
+                raise HTTPException(400, f"give ?checkpoint=, one of {labels}")
+            checkpoint = labels[0]
+        if checkpoint not in labels:
+            raise HTTPException(404, f"no checkpoint {checkpoint!r} in job {job_id}; checkpoints: {labels}")
+        return FileResponse(_output(job, f"plot_{checkpoint}.png"), media_type="image/png")
+
+    @app.delete("/probe/{job_id}", response_model=JobStatus)
+    def cancel(job_id: str, request: Request, response: Response) -> JobStatus:
+        try:
+            job = manager.cancel(job_id)
+        except JobNotFound:
+            raise HTTPException(404, f"no job {job_id}") from None
+        except JobFinished as exc:
+            raise HTTPException(409, str(exc)) from None
+        # a queued job is cancelled at once (200); a running one stops at its next check (202)
+        response.status_code = 200 if job.state == "cancelled" else 202
+        return _status(job, request)
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"status": "ok", "jobs": manager.counts()}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(manager.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

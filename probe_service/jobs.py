@@ -1,0 +1,356 @@
+"""Probe jobs: request checks against the allowed roots, a bounded queue, worker threads, cancellation.
+
+A job's outputs go to <jobs_dir>/<id>/ (the files of `forkrl.probe.job.run_probe`) plus job.json, its final
+status. Jobs are kept in memory for the life of the process; finished ones are reloaded from job.json at
+start-up, so GET keeps working after a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from forkrl.probe.job import (
+    CheckpointNotFound,
+    ProbeCancelled,
+    ProbeParams,
+    list_steps,
+    run_probe,
+    validate_params,
+    weight_files,
+)
+from probe_service.config import ProbeSettings
+from probe_service.schemas import ProbeRequest
+
+log = logging.getLogger("probe_service")
+
+STATES = ("queued", "running", "done", "failed", "cancelled")
+FINAL = frozenset({"done", "failed", "cancelled"})
+BUILTIN_REWARDS = ("", "exact_match", "math_verify")
+
+
+class RequestError(Exception):
+    """A request the service refuses; `status` is the HTTP code, `extra` goes into the body."""
+
+    def __init__(self, status: int, message: str, **extra: Any):
+        super().__init__(message)
+        self.status, self.message, self.extra = status, message, extra
+
+
+class QueueFull(Exception):
+    pass
+
+
+class JobNotFound(KeyError):
+    pass
+
+
+class JobFinished(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------------- request checks
+
+
+def _inside(path: str, roots: list[Path], what: str, must_be_dir: bool = True) -> Path:
+    """`path` resolved (symlinks followed); 400 for '..', 403 outside the roots, 404 if missing."""
+    p = Path(path).expanduser()
+    if ".." in p.parts:
+        raise RequestError(400, f"{what} {path!r} must not contain '..'")
+    real = p.resolve()
+    if not any(real == r or real.is_relative_to(r) for r in roots):
+        raise RequestError(403, f"{what} {path!r} is outside the allowed roots {[str(r) for r in roots]}")
+    if not real.exists():
+        raise RequestError(404, f"{what} {path!r} does not exist")
+    if must_be_dir and not real.is_dir():
+        raise RequestError(400, f"{what} {path!r} is not a directory")
+    return real
+
+
+def _check_checkpoint_dir(path: Path, roots: list[Path]) -> None:
+    """A HF checkpoint with safetensors weights, and no file inside that links out of the roots."""
+    for f in path.iterdir():
+        real = f.resolve()
+        if not any(real.is_relative_to(r) for r in roots):
+            raise RequestError(403, f"{f} links outside the allowed roots")
+    if not (path / "config.json").is_file():
+        raise RequestError(400, f"{path} has no config.json: not a HF checkpoint directory")
+    if not any(p.suffix == ".safetensors" for p in weight_files(path)):
+        raise RequestError(400, f"{path} has no *.safetensors weights; pickled (.bin/.pt) weights are refused")
+
+
+def _check_layers(path: Path, layers: list[int]) -> None:
+    """Layer indices against the checkpoint's config, so a typo fails at submission, not after sampling."""
+    try:
+        n = int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # unusual config: the job reports it
+    bad = [x for x in layers if not -n <= x < n]
+    if bad:
+        raise RequestError(400, f"layers {bad} out of range for {path.name} with {n} layers (use -{n}..{n - 1})")
+
+
+def build_params(req: ProbeRequest, settings: ProbeSettings) -> ProbeParams:
+    """Check a request's paths and names; return job parameters with every path resolved."""
+    roots = settings.resolved_roots()
+    if req.reward not in BUILTIN_REWARDS and not settings.allow_custom_rewards:
+        raise RequestError(400, f"reward {req.reward!r} is not allowed; use exact_match or math_verify")
+    data = req.model_dump()
+    ckpts: list[Path] = []
+    if req.model:
+        data["model"] = str(_inside(req.model, roots, "model"))
+        ckpts.append(Path(data["model"]))
+    if req.checkpoint_root:
+        root = _inside(req.checkpoint_root, roots, "checkpoint_root")
+        data["checkpoint_root"] = str(root)
+        available, has_final = list_steps(root)
+        missing = [s for s in req.steps if s not in available]
+        if missing or (req.include_final and not has_final):
+            err = CheckpointNotFound(root, missing, list(available), has_final, req.include_final and not has_final)
+            raise RequestError(
+                404, str(err), missing_steps=missing, available_steps=list(available), has_final=has_final
+            )
+        for s in req.steps:
+            ckpts.append(_inside(str(available[s]), roots, f"step {s}"))
+        if req.include_final:
+            ckpts.append(_inside(str(root / "final"), roots, "final"))
+    data["checkpoints"] = []
+    for c in req.checkpoints:
+        real = _inside(c, roots, "checkpoint")
+        data["checkpoints"].append(str(real))
+        ckpts.append(real)
+    for c in ckpts:
+        _check_checkpoint_dir(c, roots)
+        _check_layers(c, req.layers)
+    if req.dataset:
+        # a "{split}" template names one file per split; check the one this job reads
+        real = _inside(req.dataset.replace("{split}", req.split), roots, "dataset", must_be_dir=False)
+        data["dataset"] = str(real) if "{split}" not in req.dataset else req.dataset
+    params = ProbeParams(**data, device=settings.device)
+    try:
+        validate_params(params)
+    except ValueError as exc:
+        raise RequestError(400, str(exc)) from exc
+    return params
+
+
+# -------------------------------------------------------------------------------------------------- jobs
+
+
+@dataclass
+class Job:
+    id: str
+    params: ProbeParams | None
+    out_dir: Path
+    state: str = "queued"
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    done: int = 0
+    total: int = 0
+    stage: str = "queued"
+    error: str | None = None
+    summary: dict | None = None
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+    finished_event: threading.Event = field(default_factory=threading.Event)
+
+    def status_dict(self) -> dict[str, Any]:
+        now = time.time()
+        run_end = self.finished_at or now
+        return {
+            "id": self.id,
+            "state": self.state,
+            "cancel_requested": self.cancel_event.is_set(),
+            "progress": {"done": self.done, "total": self.total, "stage": self.stage},
+            "timings": {
+                "created_at": self.created_at,
+                "started_at": self.started_at,
+                "finished_at": self.finished_at,
+                "queued_s": ((self.started_at or self.finished_at or now) - self.created_at),
+                "run_s": (run_end - self.started_at) if self.started_at else None,
+            },
+            "error": self.error,
+        }
+
+
+class _StateCollector:
+    """probe_jobs{state=...}: computed at scrape time from the job table."""
+
+    def __init__(self, manager: JobManager):
+        self.manager = manager
+
+    def collect(self):
+        g = GaugeMetricFamily("probe_jobs", "Probe jobs by state", labels=["state"])
+        counts = self.manager.counts()
+        for s in STATES:
+            g.add_metric([s], counts.get(s, 0))
+        yield g
+
+
+class JobManager:
+    def __init__(self, settings: ProbeSettings):
+        self.settings = settings
+        self.jobs_dir = Path(settings.jobs_dir).resolve()
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._workers: list[threading.Thread] = []
+        self.registry = CollectorRegistry()
+        self.registry.register(_StateCollector(self))
+        self.m_records = Counter("probe_records", "Token probe records computed", registry=self.registry)
+        self.m_submitted = Counter("probe_jobs_submitted", "Jobs accepted", registry=self.registry)
+        self.m_rejected = Counter("probe_jobs_rejected", "Jobs refused (queue full)", registry=self.registry)
+        self.m_seconds = Histogram(
+            "probe_job_seconds",
+            "Run time of finished jobs",
+            ["state"],
+            registry=self.registry,
+            buckets=(1, 5, 15, 30, 60, 120, 300, 900, 1800, 3600, 7200),
+        )
+        self._load_finished()
+
+    # ---- lifecycle
+    def start(self) -> None:
+        for i in range(self.settings.max_concurrent_jobs):
+            t = threading.Thread(target=self._worker, name=f"probe-worker-{i}", daemon=True)
+            t.start()
+            self._workers.append(t)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            for job in self._jobs.values():
+                if job.state not in FINAL:
+                    job.cancel_event.set()
+        for _ in self._workers:
+            self._queue.put(None)
+        for t in self._workers:
+            t.join(timeout_s)
+        self._workers.clear()
+
+    # ---- API
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            out: dict[str, int] = {}
+            for j in self._jobs.values():
+                out[j.state] = out.get(j.state, 0) + 1
+            return out
+
+    def submit(self, params: ProbeParams) -> Job:
+        with self._lock:
+            active = sum(j.state in ("queued", "running") for j in self._jobs.values())
+            if active >= self.settings.max_concurrent_jobs + self.settings.max_queued_jobs:
+                self.m_rejected.inc()
+                raise QueueFull(
+                    f"{active} jobs are queued or running (limit {self.settings.max_concurrent_jobs} running + "
+                    f"{self.settings.max_queued_jobs} queued); retry later"
+                )
+            job_id = uuid.uuid4().hex[:16]
+            job = Job(id=job_id, params=params, out_dir=self.jobs_dir / job_id)
+            self._jobs[job_id] = job
+            self.m_submitted.inc()
+        self._queue.put(job)
+        return job
+
+    def get(self, job_id: str) -> Job:
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
+
+    def list(self) -> list[Job]:
+        with self._lock:
+            return sorted(self._jobs.values(), key=lambda j: j.created_at)
+
+    def cancel(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        with self._lock:
+            if job.state in FINAL:
+                raise JobFinished(f"job {job_id} is already {job.state}")
+            job.cancel_event.set()
+            if job.state == "queued":  # never started: final right away
+                self._finish(job, "cancelled", stage="cancelled before it started")
+        return job
+
+    # ---- internals
+    def _worker(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                if job.state != "queued":  # cancelled while waiting
+                    continue
+                job.state, job.started_at, job.stage = "running", time.time(), "starting"
+            self._run(job)
+
+    def _run(self, job: Job) -> None:
+        def progress(done: int, total: int, stage: str) -> None:
+            job.done, job.total = done, total
+            if stage:
+                job.stage = stage
+
+        try:
+            summary = run_probe(job.params, job.out_dir, progress=progress, should_cancel=job.cancel_event.is_set)
+        except ProbeCancelled:
+            with self._lock:
+                self._finish(job, "cancelled", stage="cancelled")
+        except Exception as exc:  # the job's failure, reported in its status; the service keeps running
+            log.exception("probe job %s failed", job.id)
+            with self._lock:
+                self._finish(job, "failed", stage="failed", error=f"{type(exc).__name__}: {exc}")
+        else:
+            self.m_records.inc(summary.get("n_records", 0))
+            with self._lock:
+                job.summary = summary
+                self._finish(job, "done", stage="done")
+
+    def _finish(self, job: Job, state: str, stage: str, error: str | None = None) -> None:
+        """Caller holds the lock."""
+        job.state, job.stage, job.error, job.finished_at = state, stage, error, time.time()
+        if job.started_at is not None:
+            self.m_seconds.labels(state).observe(job.finished_at - job.started_at)
+        try:
+            job.out_dir.mkdir(parents=True, exist_ok=True)
+            tmp = job.out_dir / f".job.json.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(job.status_dict(), indent=2))
+            os.replace(tmp, job.out_dir / "job.json")
+        except OSError:
+            log.exception("cannot write job.json for %s", job.id)
+        job.finished_event.set()
+
+    def _load_finished(self) -> None:
+        for f in sorted(self.jobs_dir.glob("*/job.json")):
+            try:
+                d = json.loads(f.read_text())
+                job = Job(
+                    id=d["id"],
+                    params=None,
+                    out_dir=f.parent,
+                    state=d["state"],
+                    created_at=d["timings"]["created_at"],
+                    started_at=d["timings"]["started_at"],
+                    finished_at=d["timings"]["finished_at"],
+                    done=d["progress"]["done"],
+                    total=d["progress"]["total"],
+                    stage=d["progress"]["stage"],
+                    error=d.get("error"),
+                )
+                if job.state == "done" and (f.parent / "summary.json").is_file():
+                    job.summary = json.loads((f.parent / "summary.json").read_text())
+                job.finished_event.set()
+                self._jobs[job.id] = job
+            except (OSError, ValueError, KeyError, TypeError):
+                log.warning("ignoring unreadable %s", f)

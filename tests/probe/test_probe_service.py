@@ -1,0 +1,322 @@
+"""The probe service end to end: a real uvicorn server on 127.0.0.1, real jobs on two checkpoints over HTTP.
+
+Checkpoints: the tiny model copied as step_000001 and a perturbed copy as step_000002 in a tmp
+checkpoint_root inside the service's only allowed root. The server runs with one worker and no queue, so a
+second job while one is active gets 429.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import uvicorn
+from safetensors.torch import load_file, save_file
+
+from probe_service.app import create_app
+from probe_service.config import ProbeSettings
+from tests.service_fixtures import build_random_llama, free_port
+
+pytestmark = pytest.mark.slow
+
+SMALL_JOB = {
+    "steps": [1, 2],
+    "num_prompts": 4,
+    "group_size": 4,
+    "entropy_bins": 3,
+    "max_positions_per_group": 4,
+    "max_positions_per_trajectory": 2,
+    "modules": ["k_proj", "down_proj", "lm_head"],
+    "layers": [0, -1],
+    "row_specs": ["random:8", "start"],
+    "proj_k": [1, 2],
+    "erank_draws": 3,
+    "seed": 7,
+}
+
+
+def _model_dir(request: pytest.FixtureRequest, tmp: Path) -> Path:
+    try:
+        return Path(request.getfixturevalue("tiny_model_dir"))
+    except pytest.FixtureLookupError:  # no embedded tiny model in this checkout: a random one will do
+        return build_random_llama(tmp / "random_tiny", hidden_size=32, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp("probe_service")
+    allowed = tmp / "allowed"
+    root = allowed / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    src = _model_dir(request, tmp)
+    ignore = shutil.ignore_patterns("*.bin", "*.pt", "forkrl_build.json")
+    shutil.copytree(src, root / "step_000001", ignore=ignore)
+    shutil.copytree(src, root / "step_000002", ignore=ignore)
+    weights = root / "step_000002" / "model.safetensors"
+    tensors = load_file(weights)
+    g = torch.Generator().manual_seed(0)
+    save_file(
+        {
+            k: v + 0.05 * v.std().nan_to_num(0.0) * torch.randn(v.shape, generator=g, dtype=v.dtype)
+            if v.is_floating_point() and v.numel() > 1
+            else v
+            for k, v in tensors.items()
+        },
+        str(weights),
+        metadata={"format": "pt"},
+    )
+    broken = allowed / "broken"  # passes the submission checks, fails when the job loads it
+    shutil.copytree(root / "step_000001", broken)
+    (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    pickled = allowed / "pickled"  # weights only as a pickle: must be refused, never unpickled
+    pickled.mkdir()
+    shutil.copy(root / "step_000001" / "config.json", pickled / "config.json")
+    (pickled / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    outside = tmp / "outside"
+    shutil.copytree(root / "step_000001", outside / "step_000009")
+    (allowed / "escape").symlink_to(outside, target_is_directory=True)
+    (root / "step_000003").symlink_to(outside / "step_000009", target_is_directory=True)
+
+    settings = ProbeSettings(
+        allowed_roots=[str(allowed)],
+        jobs_dir=str(tmp / "jobs"),
+        max_concurrent_jobs=1,
+        max_queued_jobs=0,
+        threads=1,
+        device="cpu",
+        log_level="warning",
+    )
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
+        yield {"client": client, "root": root, "allowed": allowed, "outside": outside, "jobs": tmp / "jobs"}
+    server.should_exit = True
+    thread.join(30)
+
+
+def _strict(text: str):
+    def bad(c: str):
+        raise AssertionError(f"non-finite {c} in JSON")
+
+    return json.loads(text, parse_constant=bad)
+
+
+def _poll(client: httpx.Client, url: str, states: set[str], timeout_s: float = 180) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = client.get(url).json()
+        if st["state"] in states:
+            return st
+        assert time.monotonic() < deadline, f"job stuck in {st['state']}: {st}"
+        time.sleep(0.1)
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_job_end_to_end_and_wait(env):
+    client, root = env["client"], env["root"]
+    t0 = time.monotonic()
+    r = client.post("/probe", json={"checkpoint_root": str(root), **SMALL_JOB})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    assert r.headers["location"].endswith(f"/probe/{job_id}")
+    st = _poll(client, r.headers["location"], {"done", "failed", "cancelled"})
+    assert st["state"] == "done", st["error"]
+    assert st["progress"]["done"] == st["progress"]["total"] > 0
+    assert st["timings"]["run_s"] > 0
+    summary = st["summary"]
+
+    out = env["jobs"] / job_id
+    for name in (
+        "summary.json",
+        "token_probe_records.jsonl",
+        "manifest.json",
+        "job.json",
+        "plot_step_000001.png",
+        "plot_step_000002.png",
+    ):
+        assert (out / name).is_file(), name
+    assert _strict((out / "summary.json").read_text()) == summary
+    records = [_strict(line) for line in (out / "token_probe_records.jsonl").read_text().splitlines()]
+
+    # counts: records == selected positions == per-cell counts == per-result counts
+    assert [c["label"] for c in summary["checkpoints"]] == ["step_000001", "step_000002"]
+    assert len(records) == summary["n_records"] == sum(c["n_selected"] for c in summary["checkpoints"]) > 0
+    per_cell = Counter((x["checkpoint"], x["bin"], x["correct"]) for x in records)
+    for c in summary["checkpoints"]:
+        assert c["step"] in (1, 2)
+        for cell in c["cells"]:
+            assert per_cell[(c["label"], cell["bin"], cell["correct"])] == cell["n_selected"]
+            assert cell["n_selected"] <= min(4, cell["n_available"])
+    targets = {x["target"] for x in summary["results"]}
+    assert len(targets) == 5  # k_proj and down_proj of 2 layers + lm_head
+    for res in summary["results"]:
+        assert res["n_selected"] == per_cell[(res["checkpoint"], res["bin"], res["correct"])]
+        assert res["n"] + res["n_dropped"] == res["n_selected"]
+        if res["n"] >= 1:
+            assert res["grad_norm"]["median"] > 0 and math.isfinite(res["effective_rank"])
+    per_traj = Counter((x["checkpoint"], x["bin"], x["correct"], x["trajectory"]) for x in records)
+    assert max(per_traj.values()) <= 2
+    for x in records:
+        assert len(x["grad_norms"]) == 10 and all(math.isfinite(v) for v in x["grad_norms"].values())
+        assert x["entropy"] >= 0 and x["logp"] <= 0
+
+    manifest = client.get(f"/probe/{job_id}/manifest").json()
+    shas = {c["label"]: c["weight_files"][0]["sha256"] for c in manifest["checkpoints"]}
+    assert shas["step_000001"] == _sha(root / "step_000001" / "model.safetensors")
+    assert shas["step_000002"] == _sha(root / "step_000002" / "model.safetensors") != shas["step_000001"]
+    assert manifest["params"]["seed"] == 7 and manifest["versions"]["torch"] == torch.__version__
+    assert client.get(f"/probe/{job_id}/records", params={"format": "json"}).json() == records
+    jsonl = client.get(f"/probe/{job_id}/records")
+    assert jsonl.headers["content-type"].startswith("application/x-ndjson")
+    assert [_strict(line) for line in jsonl.text.splitlines()] == records
+    png = client.get(f"/probe/{job_id}/plot.png", params={"checkpoint": "step_000002"})
+    assert png.status_code == 200 and png.content[:8] == b"\x89PNG\r\n\x1a\n"
+    missing_plot = client.get(f"/probe/{job_id}/plot.png", params={"checkpoint": "step_000005"})
+    assert missing_plot.status_code == 404 and "step_000001" in missing_plot.json()["detail"]
+    assert client.delete(f"/probe/{job_id}").status_code == 409  # already finished
+
+    # the same request with ?wait=true: the same summary (same seed), straight away as 200
+    r2 = client.post("/probe", params={"wait": "true"}, json={"checkpoint_root": str(root), **SMALL_JOB})
+    assert r2.status_code == 200, r2.text
+    assert _strict(r2.text) == summary
+    print(f"\nservice end-to-end: two jobs x two checkpoints in {time.monotonic() - t0:.1f} s")
+
+
+def test_paths_are_confined_to_allowed_roots(env):
+    client, root, allowed = env["client"], env["root"], env["allowed"]
+    cases = [
+        ({"checkpoint_root": f"{root}/../../../outside", "steps": [9]}, {400, 403}),  # '..' escape
+        ({"checkpoint_root": str(allowed / "escape"), "steps": [9]}, {403}),  # symlinked dir out
+        ({"checkpoint_root": str(root), "steps": [3]}, {403}),  # step dir is a symlink out
+        ({"checkpoints": [str(env["outside"] / "step_000009")]}, {403}),  # plainly outside
+        ({"checkpoints": ["/etc"]}, {403}),
+        ({"model": str(allowed / "escape" / "step_000009")}, {403}),
+        ({"checkpoints": [str(allowed / "nope")]}, {404}),
+    ]
+    for body, codes in cases:
+        r = client.post("/probe", json=body)
+        assert r.status_code in codes, (body, r.status_code, r.text)
+        assert isinstance(r.json()["detail"], str) and r.json()["detail"]
+
+
+def test_openapi_documents_every_request_field(env):
+    schema = env["client"].get("/openapi.json").json()["components"]["schemas"]["ProbeRequest"]["properties"]
+    assert {
+        "checkpoint_root",
+        "steps",
+        "include_final",
+        "checkpoints",
+        "model",
+        "num_prompts",
+        "group_size",
+        "temperature",
+        "max_new_tokens",
+        "seed",
+        "entropy_bins",
+        "max_positions_per_group",
+    } <= set(schema)
+    assert all(p.get("description") for p in schema.values())
+    assert schema["num_prompts"]["minimum"] == 1 and schema["num_prompts"]["default"] == 16
+
+
+def test_missing_steps_404_lists_existing(env):
+    r = env["client"].post("/probe", json={"checkpoint_root": str(env["root"]), "steps": [1, 40]})
+    assert r.status_code == 404
+    body = r.json()
+    assert body["missing_steps"] == [40] and body["available_steps"] == [1, 2, 3]
+    assert "[40]" in body["detail"] and "[1, 2, 3]" in body["detail"]
+    r = env["client"].post("/probe", json={"checkpoint_root": str(env["root"]), "include_final": True})
+    assert r.status_code == 404 and "final" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("num_prompts", 0),
+        ("group_size", 100_000),
+        ("temperature", -1.0),
+        ("entropy_bins", 0),
+        ("max_positions_per_group", 0),
+        ("modules", ["conv"]),
+        ("row_specs", ["first"]),
+        ("dtype", "int8"),
+        ("split", "test"),
+        ("grad_chunk_size", 1000),
+        ("steps", [-1]),
+        ("bogus_field", 1),
+    ],
+)
+def test_bad_parameters_422_name_the_field(env, field, value):
+    r = env["client"].post("/probe", json={"checkpoint_root": str(env["root"]), "steps": [1], field: value})
+    assert r.status_code == 422, r.text
+    assert any(field in err["loc"] for err in r.json()["detail"]), r.json()
+
+
+def test_semantic_errors_400(env):
+    base = {"checkpoint_root": str(env["root"]), "steps": [1]}
+    r = env["client"].post("/probe", json={**base, "task": "nope"})
+    assert r.status_code == 400 and "nope" in r.json()["detail"]
+    r = env["client"].post("/probe", json={**base, "reward": "os:system"})
+    assert r.status_code == 400 and "not allowed" in r.json()["detail"]
+    r = env["client"].post("/probe", json={"checkpoints": [str(env["allowed"] / "pickled")]})
+    assert r.status_code == 400 and "safetensors" in r.json()["detail"]
+    r = env["client"].post("/probe", json={**base, "layers": [0, 7]})
+    assert r.status_code == 400 and "[7]" in r.json()["detail"]
+    r = env["client"].post("/probe", json={"steps": [1]})  # steps without a root: schema-level
+    assert r.status_code == 422
+
+
+def test_failed_job_reports_its_error(env):
+    client = env["client"]
+    r = client.post("/probe", params={"wait": "true"}, json={"checkpoints": [str(env["allowed"] / "broken")]})
+    assert r.status_code == 500 and "no_such_architecture" in r.json()["detail"]
+    st = client.get(f"/probe/{r.json()['id']}").json()
+    assert st["state"] == "failed" and "no_such_architecture" in st["error"] and st["summary"] is None
+    assert client.get(f"/probe/{st['id']}/manifest").status_code == 409
+
+
+def test_queue_limit_429_and_cancel(env):
+    client, root = env["client"], env["root"]
+    big = {**SMALL_JOB, "steps": [1], "num_prompts": 512, "group_size": 16, "max_positions_per_group": 64}
+    r = client.post("/probe", json={"checkpoint_root": str(root), **big})
+    assert r.status_code == 202
+    url = r.headers["location"]
+    job_id = r.json()["id"]
+    _poll(client, url, {"running"}, timeout_s=30)
+    r2 = client.post("/probe", json={"checkpoint_root": str(root), **SMALL_JOB})
+    assert r2.status_code == 429 and "limit" in r2.json()["detail"]
+    t0 = time.monotonic()
+    d = client.delete(f"/probe/{job_id}")
+    assert d.status_code in (200, 202) and d.json()["cancel_requested"]
+    st = _poll(client, url, {"cancelled", "done", "failed"}, timeout_s=60)
+    assert st["state"] == "cancelled" and time.monotonic() - t0 < 30
+    assert client.get(f"/probe/{job_id}/records").status_code == 409
+    assert client.delete(f"/probe/{job_id}").status_code == 409
+    assert client.get("/probe/0000").status_code == 404
+    # the slot is free again
+    health = client.get("/healthz").json()
+    assert health["status"] == "ok" and health["jobs"].get("running", 0) == 0
+    metrics = client.get("/metrics").text
+    assert 'probe_jobs{state="cancelled"} 1.0' in metrics
+    assert 'probe_jobs{state="done"} 2.0' in metrics and 'probe_jobs{state="failed"} 1.0' in metrics
+    assert "probe_records_total" in metrics
+    assert "probe_job_seconds_bucket" in metrics and "probe_jobs_rejected_total 1.0" in metrics
