@@ -1,0 +1,149 @@
+"""Built-in synthetic tasks with a verifiable answer, used by the embedded tiny model.
+
+`sum3` (the default) is a three-number sum written out with its partial result:
+
+    prompt      "47+85+6="
+    completion  "132+6=138"      (then EOS)
+    answer      "138"
+
+The partial sum gives the answer a short chain of intermediate tokens. The prototype's two-number sum
+(`add2`, kept here for small tests) had answers two or three tokens long, which leaves the top-20%
+entropy mask almost nothing to choose from (tiny-rl-notes.md). Each operand has one or two digits with
+equal chance, so problems range from "1+2+3=" to ones with a carry in both additions: groups of samples
+come out all right, all wrong and mixed.
+
+Splits are disjoint by construction: a problem belongs to `eval` when a hash of its prompt falls in a
+fixed 10% bucket, to `train` otherwise, whatever the seed. Generation is deterministic for a given
+(task, split, n, seed); problems are drawn i.i.d., so a prompt may repeat within a split.
+
+    from forkrl.tasks import make_split, extract_answer
+    problems = make_split("sum3", "eval", 256, seed=0)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+DEFAULT_TASK = "sum3"
+SPLITS = ("train", "eval")
+EVAL_BUCKETS = 10  # one bucket in ten is the eval split
+
+_ANSWER_RE = re.compile(r"-?\d+")
+
+
+@dataclass
+class Problem:
+    """One prompt and its gold answer. `meta` holds task-specific extras; built-in tasks put the reference
+    completion (used for the supervised warm start) under "completion"."""
+
+    prompt: str
+    answer: str
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    description: str
+    max_new_tokens: int  # enough for the longest reference completion plus EOS
+    sample: Callable[[random.Random], Problem]
+
+
+def _operand(rng: random.Random) -> int:
+    # one or two digits with equal chance: easy and hard problems both appear often
+    return rng.randint(0, 9) if rng.random() < 0.5 else rng.randint(10, 99)
+
+
+def _carries(x: int, y: int) -> int:
+    n, carry = 0, 0
+    while x or y:
+        carry = int(x % 10 + y % 10 + carry >= 10)
+        n += carry
+        x, y = x // 10, y // 10
+    return n
+
+
+def _sample_sum3(rng: random.Random) -> Problem:
+    a, b, c = _operand(rng), _operand(rng), _operand(rng)
+    s1, s2 = a + b, a + b + c
+    return Problem(
+        prompt=f"{a}+{b}+{c}=",
+        answer=str(s2),
+        meta={
+            "task": "sum3",
+            "completion": f"{s1}+{c}={s2}",
+            "operands": [a, b, c],
+            "carries": _carries(a, b) + _carries(s1, c),
+        },
+    )
+
+
+def _sample_add2(rng: random.Random) -> Problem:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    return Problem(
+        prompt=f"{a}+{b}=",
+        answer=str(a + b),
+        meta={"task": "add2", "completion": str(a + b), "operands": [a, b], "carries": _carries(a, b)},
+    )
+
+
+TASKS: dict[str, TaskSpec] = {
+    "sum3": TaskSpec(
+        name="sum3",
+        description="three 1-2 digit numbers summed with the partial result written out: 47+85+6=132+6=138",
+        max_new_tokens=11,  # "198+99=297" + EOS
+        sample=_sample_sum3,
+    ),
+    "add2": TaskSpec(
+        name="add2",
+        description="two-digit addition, answer only: 47+85=132",
+        max_new_tokens=4,  # "198" + EOS
+        sample=_sample_add2,
+    ),
+}
+
+
+def get_task(task: str) -> TaskSpec:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; built-in tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[task]
+
+
+def split_of(task: str, prompt: str) -> str:
+    """The split a prompt belongs to, from a hash of the prompt (not Python's salted `hash`)."""
+    digest = hashlib.sha256(f"{task}\x00{prompt}".encode()).digest()
+    return "eval" if int.from_bytes(digest[:8], "big") % EVAL_BUCKETS == 0 else "train"
+
+
+def iter_problems(task: str, split: str, seed: int = 0) -> Iterator[Problem]:
+    """An endless, deterministic stream of `task` problems from `split`, drawn independently from the
+    task's distribution restricted to that split (so easy problems repeat as often as they should)."""
+    spec = get_task(task)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    # str seeds go through sha512 in `random`: stable across processes and Python versions
+    rng = random.Random(f"forkrl:{task}:{split}:{seed}")
+    while True:
+        problem = spec.sample(rng)
+        if split_of(task, problem.prompt) == split:
+            yield problem
+
+
+def make_split(task: str, split: str, n: int, seed: int = 0) -> list[Problem]:
+    """The first `n` problems of `iter_problems(task, split, seed)`. Problems are i.i.d., so a prompt can
+    repeat within a split; a prompt never appears in both splits."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return list(itertools.islice(iter_problems(task, split, seed), n))
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer in a completion: the integer after the last "=" (or the whole text when there is
+    no "="), surrounding whitespace ignored. Anything else, including an empty answer, gives None."""
+    tail = text.rsplit("=", 1)[-1].strip()
+    return tail if _ANSWER_RE.fullmatch(tail) else None

@@ -1,0 +1,288 @@
+"""The embedded tiny model: an HF directory that transformers and vLLM load as is, warm-started into the
+target accuracy band, with vLLM and HF per-token logprobs in agreement, built deterministically and cached.
+
+The determinism and cache tests build the default model sizes with SFT cut to 30 steps: the same code
+path as the full build (`_train`), which is too slow (~1.5-2 min on 2 cores) to run three more times.
+"""
+
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forkrl.tasks import extract_answer, make_split
+from forkrl.tiny import (
+    BUILD_RECORD,
+    MODEL_FILE,
+    BuildConfig,
+    build_tiny_model,
+    default_model_dir,
+    evaluate_accuracy,
+    load_model_and_tokenizer,
+    read_build_record,
+    sha256_file,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+# measured: in-process engine starts in ~3-15 s; these are what it needs on a CPU machine
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CACHE_ROOT": str(REPO / ".cache" / "vllm"),
+    "VLLM_RPC_BASE_PATH": str(REPO / ".cache" / "vllm-rpc"),
+    "TORCHINDUCTOR_CACHE_DIR": str(REPO / ".cache" / "inductor"),
+    "VLLM_NO_USAGE_STATS": "1",
+}
+CHAIN_RE = re.compile(r"\d+\+\d+=\d+")
+SHORT = BuildConfig(max_steps=30, eval_every=10, eval_problems=64, final_eval_problems=64)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    return load_model_and_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def eval_problems():
+    return make_split("sum3", "eval", 1024, seed=2)  # not the sets the builder measured on
+
+
+# ---- the directory -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_directory_is_a_plain_hf_checkpoint(tiny_model_dir, hf):
+    model, tokenizer = hf
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert config["vocab_size"] == len(tokenizer) == 99
+    assert config["tie_word_embeddings"] is False
+    assert json.loads((tiny_model_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+    record = read_build_record(tiny_model_dir)
+    assert record is not None and record["sha256"] == sha256_file(tiny_model_dir / MODEL_FILE)
+    assert record["params"] == sum(p.numel() for p in model.parameters())
+    # no weight left at its random init because of a name mismatch
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(tiny_model_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+@pytest.mark.slow
+def test_tokenizer_is_one_char_per_token_with_bos(hf):
+    _, tokenizer = hf
+    text = "47 ab+1=  x"
+    ids = tokenizer(text)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id == 1 and len(ids) == len(text) + 1
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text  # spaces survive
+    assert tokenizer.eos_token_id == 2 and tokenizer.pad_token_id == 0
+    assert tokenizer("é")["input_ids"] == [1, tokenizer.unk_token_id]
+
+
+# ---- the warm start ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_completions_follow_the_chain_format(hf, eval_problems):
+    model, tokenizer = hf
+    for temperature in (0.0, 1.0):
+        result = evaluate_accuracy(model, eval_problems[:256], tokenizer=tokenizer, temperature=temperature)
+        texts = [c for cs in result.completions for c in cs]
+        assert sum(extract_answer(t) is not None for t in texts) >= 0.95 * len(texts)
+        assert sum(bool(CHAIN_RE.fullmatch(t)) for t in texts) >= 0.9 * len(texts)
+
+
+@pytest.mark.slow
+def test_warm_start_accuracy_is_in_the_band(tiny_model_dir, hf, eval_problems):
+    model, tokenizer = hf
+    # measured on these 1024 problems (seed-0 build): T=1 0.278, greedy 0.357; seeds 0-3 give T=1 0.26-0.28
+    sampled = evaluate_accuracy(model, eval_problems, tokenizer=tokenizer, temperature=1.0, seed=123)
+    greedy = evaluate_accuracy(model, eval_problems, tokenizer=tokenizer, temperature=0.0)
+    assert 0.15 <= sampled.accuracy <= 0.55
+    assert sampled.accuracy - 0.05 <= greedy.accuracy <= 0.75
+    record = read_build_record(tiny_model_dir)
+    assert abs(record["accuracy"]["t1"] - sampled.accuracy) < 0.1
+    # RL needs groups of each kind. Measured with 8 samples on these 256 problems: 81 all wrong, 170 mixed,
+    # 5 all right (the all-right share grows as RL learns: ~13% of groups after 150 steps)
+    grouped = evaluate_accuracy(model, eval_problems[:256], tokenizer=tokenizer, n_samples=8, seed=7)
+    counts = [sum(f == 0 for f in grouped.per_problem), sum(0 < f < 1 for f in grouped.per_problem)]
+    counts.append(sum(f == 1 for f in grouped.per_problem))
+    assert counts[0] >= 40 and counts[1] >= 80 and counts[2] >= 1, counts
+    # the path form loads the directory itself
+    assert evaluate_accuracy(tiny_model_dir, eval_problems[:64], temperature=0.0).accuracy == pytest.approx(
+        evaluate_accuracy(model, eval_problems[:64], tokenizer=tokenizer, temperature=0.0).accuracy
+    )
+
+
+# ---- vLLM --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_model_dir):
+    for key, value in VLLM_ENV.items():
+        os.environ.setdefault(key, value)
+    Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        logprobs_mode="processed_logprobs",  # log-softmax(logits / T): what the trainer's ratio uses
+        max_model_len=64,
+        seed=0,
+    )
+    yield llm
+    del llm
+    gc.collect()
+
+
+def _hf_logprobs(model, prompt_ids, completion_ids, temperature):
+    import torch
+
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(1, torch.tensor(completion_ids)[:, None])[:, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_vllm_logprobs_match_hf(vllm_engine, hf, eval_problems, temperature):
+    import torch
+    from vllm import SamplingParams
+
+    model, tokenizer = hf
+    problems = eval_problems[:32]
+    params = [
+        SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, n=4, max_tokens=11, logprobs=0, seed=i)
+        for i in range(len(problems))
+    ]
+    outputs = vllm_engine.generate([p.prompt for p in problems], params, use_tqdm=False)
+    max_delta, n_tokens, parsed = 0.0, 0, 0
+    for problem, out in zip(problems, outputs, strict=True):
+        assert list(out.prompt_token_ids) == tokenizer(problem.prompt)["input_ids"]  # same BOS + chars
+        for sample in out.outputs:
+            ids = list(sample.token_ids)
+            vllm_lp = torch.tensor(
+                [step[tok].logprob for step, tok in zip(sample.logprobs, ids, strict=True)]
+            )
+            hf_lp = _hf_logprobs(model, out.prompt_token_ids, ids, temperature)
+            max_delta = max(max_delta, (vllm_lp - hf_lp).abs().max().item())
+            n_tokens += len(ids)
+            body = ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids
+            assert sample.text == tokenizer.decode(body, skip_special_tokens=True)
+            parsed += extract_answer(sample.text) is not None
+    print(f"vLLM vs HF at T={temperature}: max |dlogp| {max_delta:.2e} over {n_tokens} tokens")
+    assert max_delta < 1e-4
+    assert parsed >= 0.9 * 4 * len(problems)
+
+
+@pytest.mark.slow
+def test_vllm_greedy_matches_hf_greedy(vllm_engine, hf, eval_problems):
+    from vllm import SamplingParams
+
+    model, tokenizer = hf
+    problems = eval_problems[:128]
+    outputs = vllm_engine.generate(
+        [p.prompt for p in problems], SamplingParams(temperature=0.0, max_tokens=11), use_tqdm=False
+    )
+    hf_greedy = evaluate_accuracy(model, problems, tokenizer=tokenizer, temperature=0.0).completions
+    same = sum(out.outputs[0].text == cs[0] for out, cs in zip(outputs, hf_greedy, strict=True))
+    assert same >= 0.95 * len(problems)  # float32 near-ties may flip a few
+
+
+# ---- the builder ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_build_is_deterministic_and_cached(tmp_path):
+    a = build_tiny_model(tmp_path / "a", seed=0, config=SHORT, progress=False)
+    b = build_tiny_model(tmp_path / "b", seed=0, config=SHORT, progress=False)
+    record_a = read_build_record(a)
+    assert record_a["sha256"] == read_build_record(b)["sha256"] == sha256_file(a / MODEL_FILE)
+    assert record_a["sft_steps"] == 30 and record_a["reached_target"] is False
+
+    # same config and seed: returned at once, nothing rewritten
+    before = {name: (a / name).stat().st_mtime_ns for name in (MODEL_FILE, BUILD_RECORD)}
+    assert build_tiny_model(a, seed=0, config=SHORT, progress=False) == a
+    assert {name: (a / name).stat().st_mtime_ns for name in before} == before
+
+    # force rebuilds (same bytes); another seed replaces the build in place
+    build_tiny_model(b, seed=0, config=SHORT, force=True, progress=False)
+    assert (b / BUILD_RECORD).stat().st_mtime_ns > before[BUILD_RECORD]
+    assert read_build_record(b)["sha256"] == record_a["sha256"]
+    build_tiny_model(a, seed=1, config=SHORT, progress=False)
+    record_a1 = read_build_record(a)
+    assert record_a1["seed"] == 1 and record_a1["sha256"] != record_a["sha256"]
+
+    # no temporary or old directories left behind; readable by other users (services, containers)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["a", "b"]
+    assert a.stat().st_mode & 0o777 == 0o755
+    assert all(path.stat().st_mode & 0o777 == 0o644 for path in a.iterdir())
+
+
+def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    import forkrl.tiny as tiny
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tiny, "_train", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        build_tiny_model(tmp_path / "m", progress=False)
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []
+
+
+def test_refuses_to_replace_a_directory_it_did_not_build(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="is not a forkrl tiny build"):
+        build_tiny_model(tmp_path / "m", progress=False)
+    assert [p.name for p in (tmp_path / "m").iterdir()] == ["config.json"]
+
+
+def test_incomplete_directory_is_not_a_cache_hit(tmp_path):
+    (tmp_path / BUILD_RECORD).write_text(json.dumps({"config_hash": SHORT.hash(0), "sha256": "0" * 64}))
+    assert read_build_record(tmp_path) is None
+
+
+def test_default_model_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("FORKRL_MODEL_DIR", raising=False)
+    assert default_model_dir() == REPO / "models" / "tiny"
+    monkeypatch.setenv("FORKRL_MODEL_DIR", str(tmp_path / "m"))
+    assert default_model_dir() == tmp_path / "m"
+
+
+def test_cli_help_does_not_import_torch():
+    code = "import sys, forkrl.tiny; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "forkrl.tiny", "build", "--help"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert "--force" in out.stdout
+
+
+@pytest.mark.slow
+def test_cli_build_reuses_the_cached_model(tiny_model_dir):
+    before = (tiny_model_dir / MODEL_FILE).stat().st_mtime_ns
+    out = subprocess.run(
+        [sys.executable, "-m", "forkrl.tiny", "build", "--out", str(tiny_model_dir)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert str(tiny_model_dir) in out.stdout and "params" in out.stdout
+    assert (tiny_model_dir / MODEL_FILE).stat().st_mtime_ns == before
