@@ -4,7 +4,7 @@ Layout (what the probe and `--resume` read):
 
     <run_dir>/checkpoints/step_000020/
         config.json, model.safetensors, tokenizer*   save_pretrained: transformers and vLLM load it as is
-        optimizer.safetensors                         AdamW moments, named "<param>.exp_avg" / ".exp_avg_sq"
+        trainer_state/optimizer.safetensors           AdamW moments ("<param>.exp_avg" / ".exp_avg_sq"), RNG
         trainer_state.json                            step, data cursor, optimizer scalars, RNG state, config
     <run_dir>/checkpoints/final/
 
@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 STATE_FILE = "trainer_state.json"
-OPTIM_FILE = "optimizer.safetensors"
+# In a subdirectory: engines load every top-level *.safetensors of a checkpoint dir as model weights.
+OPTIM_FILE = "trainer_state/optimizer.safetensors"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
@@ -63,6 +64,7 @@ def save_checkpoint(
         if optimizer is not None:
             tensors, optim_meta = _optimizer_to_tensors(model, optimizer)
             extra_tensors.update(tensors)
+        (tmp / OPTIM_FILE).parent.mkdir()
         save_file(extra_tensors, str(tmp / OPTIM_FILE))
         payload = dict(state, optimizer=optim_meta, saved_at=time.time())
         # trainer_state.json is written last: its presence marks a complete checkpoint.
