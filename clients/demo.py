@@ -1,0 +1,149 @@
+"""The whole loop in one command on the embedded default: build, serve, train with the mask, probe, report.
+
+    python clients/demo.py                  # what `bash scripts/demo.sh` runs after setting up the venv
+    python clients/demo.py --num-steps 60 --entropy-top-frac 0.2
+
+1. builds the embedded tiny model (cached),
+2. starts the three services with the local launcher (the same commands as compose.yaml),
+3. runs `clients/start_run.py --entropy-top-frac 0.2` (progress bar, checkpoints every --save-every steps),
+4. POSTs a probe of two of its checkpoints (`?wait=true`),
+5. prints eval accuracy before → after, reward first → last steps, and grad_norm by entropy bin,
+6. stops every service (also on Ctrl-C or an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python clients/demo.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--num-steps", type=int, default=60, help="RL steps")
+    p.add_argument("--entropy-top-frac", type=float, default=0.2, help="forking-token fraction (1.0 = all tokens)")
+    p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step")
+    p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
+    p.add_argument("--eval-prompts", type=int, default=256, help="eval-split prompts for before/after accuracy")
+    p.add_argument("--data-dir", type=Path, default=REPO_ROOT / "runs" / "demo",
+                   help="where the stack keeps its model, runs and probe jobs")
+    p.add_argument("--seed", type=int, default=0, help="run seed")
+    return p.parse_args(argv)
+
+
+def _post_probe(url: str, body: dict, timeout_s: float) -> dict:
+    import httpx
+
+    resp = httpx.post(f"{url}/probe", params={"wait": "true"}, json=body, timeout=timeout_s)
+    if resp.status_code != 200:
+        raise RuntimeError(f"probe failed: HTTP {resp.status_code}: {resp.text[:2000]}")
+    return resp.json()
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
+    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in lines if m["kind"] == "eval"]
+    train = [m for m in lines if m["kind"] == "train"]
+    out = []
+    k = max(1, len(train) // 10)
+    first, last = train[:k], train[-k:]
+
+    def avg(ms: list[dict], key: str) -> float:
+        return sum(m[key] for m in ms) / len(ms)
+
+    rows = [["metric", "before", "after"]]
+    if len(evals) >= 2:
+        rows.append(["eval accuracy (T=1, 4 samples/prompt)", f"{evals[0]['eval_accuracy']:.3f}",
+                     f"{evals[-1]['eval_accuracy']:.3f}"])
+        rows.append(["eval accuracy (greedy)", f"{evals[0]['eval_greedy_accuracy']:.3f}",
+                     f"{evals[-1]['eval_greedy_accuracy']:.3f}"])
+    rows.append([f"train reward (mean of first/last {k} steps)", f"{avg(first, 'reward_mean'):.3f}",
+                 f"{avg(last, 'reward_mean'):.3f}"])
+    rows.append(["kept fraction of response tokens", f"{avg(first, 'kept_frac'):.3f}", f"{avg(last, 'kept_frac'):.3f}"])
+    rows.append(["mean token entropy (nats)", f"{avg(first, 'entropy_mean'):.3f}", f"{avg(last, 'entropy_mean'):.3f}"])
+    out += ["", "Training", _table(rows)]
+
+    results = summary.get("results", [])
+    if results:
+        target = next((r["target"] for r in results if r["module"] == "mlp.down_proj"), results[0]["target"])
+        ckpts = [c["label"] for c in summary["checkpoints"]]
+        bins = sorted({r["bin"] for r in results})
+        header = ["entropy bin"] + [f"{c} {'ok' if ok else 'wrong'}" for c in ckpts for ok in (True, False)]
+        rows = [header]
+        for b in bins:
+            row = [f"{b} ({'low' if b == 0 else 'high' if b == bins[-1] else 'mid'})"]
+            for c in ckpts:
+                for ok in (True, False):
+                    cell = [r for r in results if r["checkpoint"] == c and r["bin"] == b and r["correct"] == ok
+                            and r["target"] == target]
+                    med = cell[0]["grad_norm"]["median"] if cell and cell[0].get("grad_norm") else None
+                    row.append("-" if med is None else f"{med:.3g}")
+            rows.append(row)
+        out += ["", f"Probe: median per-token grad norm of {target} rows by entropy bin x correctness",
+                _table(rows)]
+    out += ["", f"run dir:     {run_dir}", f"metrics:     {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tb'})",
+            f"checkpoints: {run_dir / 'checkpoints'}"]
+    if probe_dir is not None:
+        out += [f"probe:       {probe_dir} (summary.json, token_probe_records.jsonl, manifest.json)"]
+        out += [f"plot:        {p}" for p in sorted(probe_dir.glob("*.png"))]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from clients.stack import Stack
+    from forkrl.tiny import build_tiny_model
+
+    data = args.data_dir.resolve()
+    t0 = time.monotonic()
+    model_dir = data / "models" / "tiny"
+    print(f"[demo] building the embedded tiny model into {model_dir} (cached)", flush=True)
+    build_tiny_model(model_dir)
+    run_dir = data / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")
+    save_every = max(1, args.num_steps // 2)
+    with Stack(data_dir=data) as stack:
+        addr = stack.addresses
+        print(f"[demo] stack up after {time.monotonic() - t0:.0f}s: {addr}", flush=True)
+        cmd = [sys.executable, str(REPO_ROOT / "clients" / "start_run.py"),
+               "--entropy-top-frac", str(args.entropy_top_frac), "--num-steps", str(args.num_steps),
+               "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
+               "--lr", str(args.lr), "--save-every", str(save_every), "--eval-prompts", str(args.eval_prompts),
+               "--seed", str(args.seed), "--run-dir", str(run_dir), "--model", str(model_dir),
+               "--rollout-addresses", addr["rollout"], "--trainer-address", addr["trainer"]]
+        print("[demo] $ " + " ".join(cmd[1:]), flush=True)
+        rc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        if rc != 0:
+            print(f"[demo] training failed (exit {rc})", file=sys.stderr)
+            return rc
+        body = {"checkpoint_root": str(run_dir / "checkpoints"), "steps": [save_every], "include_final": True,
+                "model": str(model_dir), "num_prompts": 16, "group_size": 8, "seed": args.seed}
+        print(f"[demo] $ curl -X POST '{addr['probe']}/probe?wait=true' -d '{json.dumps(body)}'", flush=True)
+        t_probe = time.monotonic()
+        summary = _post_probe(addr["probe"], body, timeout_s=900)
+        print(f"[demo] probe done in {time.monotonic() - t_probe:.0f}s", flush=True)
+        jobs = [p for p in (data / "probe_jobs").glob("*") if (p / "summary.json").is_file()]
+        probe_dir = max(jobs, key=lambda p: p.stat().st_mtime) if jobs else None
+    print(report(run_dir, summary, probe_dir))
+    print(f"\n[demo] total {time.monotonic() - t0:.0f}s; all services stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
