@@ -260,10 +260,10 @@ def run_training(run: Run, settings: TrainerSettings) -> None:
     torch.manual_seed(_seed_for("torch", cfg.seed))
 
     tokenizer = AutoTokenizer.from_pretrained(load_dir)
-    model = AutoModelForCausalLM.from_pretrained(load_dir, torch_dtype=torch.float32, use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch.float32, use_safetensors=True)
     ref_model = None
     if cfg.kl_beta > 0:
-        ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=torch.float32, use_safetensors=True)
+        ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, use_safetensors=True)
         ref_model.eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay, eps=1e-8)
