@@ -48,6 +48,10 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(*(t.to(device, non_blocking=True) for t in
+                       (self.input_ids, self.attention_mask, self.response_mask, self.rollout_logp)))
+
     def slice(self, start: int, stop: int) -> Batch:
         # Trim the padding columns this micro-batch does not need (saves attention and lm_head work).
         width = int(self.attention_mask[start:stop].sum(dim=1).max())
@@ -120,8 +124,10 @@ def train_step(
     n = len(batch)
     if advantages.shape != (n,):
         raise ValueError(f"advantages must have shape ({n},) (one per sequence), got {tuple(advantages.shape)}")
+    device = next(model.parameters()).device
+    advantages = advantages.to(device)
     bounds = [(s, min(s + micro_batch_size, n)) for s in range(0, n, micro_batch_size)]
-    micros = [batch.slice(s, e) for s, e in bounds]
+    micros = [batch.slice(s, e).to(device) for s, e in bounds]
     rho, scope = loss_cfg.entropy_top_frac, loss_cfg.mask_scope
     denom = step_denominator(loss_cfg, [mb.response_mask for mb in micros])
 

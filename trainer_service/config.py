@@ -17,6 +17,7 @@ class TrainerSettings(BaseSettings):
     port: int = Field(default=50052, ge=0, le=65535, description="gRPC port (0 = pick a free one and print it).")
     runs_root: str = Field(default="runs", description="Where runs without an explicit run_dir are written.")
     threads: int = Field(default=1, ge=1, description="torch threads for the training forward/backward.")
+    device: str = Field(default="auto", description="torch device for training: auto (cuda if present), cpu, cuda.")
     grace_s: float = Field(default=10.0, ge=0, description="SIGTERM: seconds to let in-flight RPCs finish.")
     tensorboard: bool = Field(default=True, description="Also write TensorBoard event files into the run dir.")
 

@@ -261,10 +261,13 @@ def run_training(run: Run, settings: TrainerSettings) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(load_dir)
     model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch.float32, use_safetensors=True)
+    device = torch.device("cuda" if settings.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if settings.device == "auto" else settings.device)
+    model.to(device)  # fp32 master weights; the engine may serve bf16 (pushed fp32 tensors are cast)
     ref_model = None
     if cfg.kl_beta > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, use_safetensors=True)
-        ref_model.eval().requires_grad_(False)
+        ref_model.to(device).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay, eps=1e-8)
     if resume_from is not None:
@@ -288,7 +291,7 @@ def run_training(run: Run, settings: TrainerSettings) -> None:
     if resume_from is not None or version != 0:
         version += 1
         rollouts.push(model, version, cfg.weight_sync, run_dir)
-    run.event("STARTED", f"run {run.run_id}: loss {cfg.loss}, entropy_top_frac {cfg.entropy_top_frac}, "
+    run.event("STARTED", f"run {run.run_id} on {device}: loss {cfg.loss}, entropy_top_frac {cfg.entropy_top_frac}, "
               f"{len(train_problems)} train / {len(eval_problems)} eval prompts, from step {start_step}",
               path=str(run_dir))
 
