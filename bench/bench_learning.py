@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'mask':>10} {'kept':>6} {'T=1 before':>11} {'T=1 after':>10} {'greedy before':>14} "
           f"{'greedy after':>13} {'wall s':>7} {'s/step':>7}")
     for r in results:
-        (s0, a0, g0), (s1, a1, g1) = r["curve"][0], r["curve"][-1]
+        (_, a0, g0), (_, a1, g1) = r["curve"][0], r["curve"][-1]
         name = "full" if r["entropy_top_frac"] >= 1.0 else f"top {r['entropy_top_frac']:.0%}"
         print(f"{name:>10} {r['kept_frac']:6.3f} {a0:11.3f} {a1:10.3f} {g0:14.3f} {g1:13.3f} "
               f"{r['wall_s']:7.0f} {r['step_s']:7.2f}")

@@ -21,17 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from forkrl.data import load_problems
-from forkrl.rewards import get_reward_fn
-from forkrl.rollout_client import RolloutClient
-from forkrl.tiny import default_model_dir
 
 from forkrl.advantages import compute_advantages, dynamic_sampling_keep, soft_overlong_penalty
 from forkrl.checkpoint import checkpoint_name, latest_checkpoint, load_optimizer_state, read_state, save_checkpoint
+from forkrl.data import load_problems
 from forkrl.losses import LossConfig
+from forkrl.rewards import get_reward_fn
+from forkrl.rollout_client import RolloutClient
 from forkrl.run_config import RunConfig
 from forkrl.step import build_batch, train_step
 from forkrl.tasks import DEFAULT_TASK, Problem, get_task
+from forkrl.tiny import default_model_dir
 from trainer_service.config import TrainerSettings
 from trainer_service.runs import Run
 
