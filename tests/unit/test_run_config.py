@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -44,3 +46,9 @@ def test_entropy_top_frac_defaults_from_env(monkeypatch: pytest.MonkeyPatch) -> 
     assert RunConfig().entropy_top_frac is None
     monkeypatch.setenv("RL_DATASET_PATH", "/data/x.jsonl")
     assert RunConfig().dataset == "/data/x.jsonl"
+
+
+def test_readme_documents_every_flag() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    missing = [n for n in RunConfig.model_fields if f"`--{n.replace('_', '-')}`" not in readme]
+    assert not missing, f"README's configuration reference lacks {missing}"
