@@ -82,7 +82,8 @@ def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
 
     results = summary.get("results", [])
     if results:
-        target = next((r["target"] for r in results if r["module"] == "mlp.down_proj"), results[0]["target"])
+        down = [r for r in results if "down_proj" in r["target"]]  # last layer's down_proj if probed
+        target = max(down, key=lambda r: r["layer"])["target"] if down else results[0]["target"]
         ckpts = [c["label"] for c in summary["checkpoints"]]
         bins = sorted({r["bin"] for r in results})
         header = ["entropy bin"] + [f"{c} {'ok' if ok else 'wrong'}" for c in ckpts for ok in (True, False)]
