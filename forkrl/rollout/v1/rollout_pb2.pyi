@@ -49,14 +49,16 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "sampling", "request_tag")
+    __slots__ = ("prompts", "sampling", "request_tag", "prompt_offsets")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TAG_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
     request_tag: str
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_tag: _Optional[str] = ...) -> None: ...
+    prompt_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_tag: _Optional[str] = ..., prompt_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
     __slots__ = ("prompt_index", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_text", "logprobs", "finish_reason", "policy_version")
@@ -79,10 +81,12 @@ class Trajectory(_message.Message):
     def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("trajectory",)
+    __slots__ = ("trajectory", "trajectories")
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     trajectory: Trajectory
-    def __init__(self, trajectory: _Optional[_Union[Trajectory, _Mapping]] = ...) -> None: ...
+    trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
+    def __init__(self, trajectory: _Optional[_Union[Trajectory, _Mapping]] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes")
@@ -117,16 +121,18 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("version", "receive_s", "apply_s", "bytes_received")
+    __slots__ = ("version", "receive_s", "apply_s", "bytes_received", "drain_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_S_FIELD_NUMBER: _ClassVar[int]
     APPLY_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     receive_s: float
     apply_s: float
     bytes_received: int
-    def __init__(self, version: _Optional[int] = ..., receive_s: _Optional[float] = ..., apply_s: _Optional[float] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    drain_s: float
+    def __init__(self, version: _Optional[int] = ..., receive_s: _Optional[float] = ..., apply_s: _Optional[float] = ..., bytes_received: _Optional[int] = ..., drain_s: _Optional[float] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("path", "target_version")
@@ -137,19 +143,21 @@ class LoadWeightsRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., target_version: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsResponse(_message.Message):
-    __slots__ = ("version", "apply_s")
+    __slots__ = ("version", "apply_s", "drain_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     APPLY_S_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     apply_s: float
-    def __init__(self, version: _Optional[int] = ..., apply_s: _Optional[float] = ...) -> None: ...
+    drain_s: float
+    def __init__(self, version: _Optional[int] = ..., apply_s: _Optional[float] = ..., drain_s: _Optional[float] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EngineSettings(_message.Message):
-    __slots__ = ("dtype", "max_model_len", "enforce_eager", "logprobs_mode", "kv_cache_gib", "device", "vllm_version")
+    __slots__ = ("dtype", "max_model_len", "enforce_eager", "logprobs_mode", "kv_cache_gib", "device", "vllm_version", "engine_mode")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +165,7 @@ class EngineSettings(_message.Message):
     KV_CACHE_GIB_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_MODE_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     max_model_len: int
     enforce_eager: bool
@@ -164,7 +173,8 @@ class EngineSettings(_message.Message):
     kv_cache_gib: float
     device: str
     vllm_version: str
-    def __init__(self, dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., enforce_eager: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., kv_cache_gib: _Optional[float] = ..., device: _Optional[str] = ..., vllm_version: _Optional[str] = ...) -> None: ...
+    engine_mode: str
+    def __init__(self, dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., enforce_eager: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., kv_cache_gib: _Optional[float] = ..., device: _Optional[str] = ..., vllm_version: _Optional[str] = ..., engine_mode: _Optional[str] = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ("requests", "samples", "prompt_tokens", "generated_tokens", "aborted_requests", "weight_reloads", "rejected_weight_updates", "running_requests")

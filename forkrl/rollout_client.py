@@ -1,0 +1,181 @@
+"""Synchronous client of the rollout service (the trainer loop runs in a thread; tests use it as well).
+
+    client = RolloutClient("127.0.0.1:50051")
+    client.wait_ready(timeout_s=300)
+    for t in client.generate(["1+2+3="], n=8, temperature=1.0, max_new_tokens=32, seed=0):
+        t.prompt_index, t.sample_index, list(t.completion_token_ids), list(t.logprobs), t.policy_version
+    client.update_weights(model.state_dict(), version=1)    # -> 1
+    client.load_weights("runs/x/checkpoints/step_000020", version=2)
+
+Every call carries a deadline. Only UNAVAILABLE is retried (with backoff, within the deadline); a
+Generate stream is retried only before its first trajectory arrived, so no sample is ever duplicated.
+Trajectories are the proto messages (`forkrl.rollout.v1.Trajectory`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from forkrl.rollout.v1 import rollout_pb2 as pb
+from forkrl.rollout.v1 import rollout_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+_MAX_MESSAGE = 64 << 20
+
+
+class RolloutClient:
+    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 5) -> None:
+        """`timeout_s` is the default deadline of Generate and weight calls (info: 30 s)."""
+        self.address = address
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)],
+        )
+        self._stub = pb_grpc.RolloutServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.last_weights_response: pb.UpdateWeightsResponse | pb.LoadWeightsResponse | None = None
+
+    # ------------------------------------------------------------------------------------- plumbing
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _retry(self, call: Callable[[float], T], timeout_s: float) -> T:
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(self.max_retries + 1):
+            left = deadline - time.monotonic()
+            try:
+                return call(max(left, 0.001))
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_retries:
+                    raise
+                pause = min(0.2 * 2**attempt, 5.0)
+                if time.monotonic() + pause >= deadline:
+                    raise
+                time.sleep(pause)
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------------------------------ API
+    def health(self, timeout_s: float = 5.0) -> int:
+        """The service's health status (health_pb2.HealthCheckResponse.SERVING == 1)."""
+        return self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s).status
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until health says SERVING (the engine is loaded and no weight swap is running)."""
+        deadline = time.monotonic() + timeout_s
+        last: object = None
+        while time.monotonic() < deadline:
+            try:
+                if self.health(timeout_s=min(5.0, max(deadline - time.monotonic(), 0.01))) == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = "NOT_SERVING"
+            except grpc.RpcError as e:
+                last = e.code()
+            time.sleep(0.2)
+        raise TimeoutError(f"rollout service {self.address} not SERVING after {timeout_s:.0f} s (last: {last})")
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float | None = None,
+        max_new_tokens: int = 64,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        *,
+        prompt_offsets: Sequence[int] = (),
+        request_tag: str = "",
+        timeout_s: float | None = None,
+    ) -> Iterator[pb.Trajectory]:
+        """Yield len(prompts) * n trajectories as they finish (any order). Prompts are text or token ids.
+        Stopping the iteration early cancels the call, and the service aborts the unfinished samples."""
+        req = pb.GenerateRequest(
+            prompts=[
+                pb.Prompt(text=p) if isinstance(p, str) else pb.Prompt(token_ids=pb.TokenIds(ids=list(p)))
+                for p in prompts
+            ],
+            sampling=pb.SamplingParams(
+                n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=list(stop), seed=seed
+            ),
+            request_tag=request_tag,
+            prompt_offsets=list(prompt_offsets),
+        )
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        for attempt in range(self.max_retries + 1):
+            call = self._stub.Generate(req, timeout=max(deadline - time.monotonic(), 0.001), wait_for_ready=True)
+            got_any = False
+            try:
+                for resp in call:
+                    got_any = True
+                    if resp.HasField("trajectory"):
+                        yield resp.trajectory
+                    yield from resp.trajectories  # samples that finished together
+                return
+            except grpc.RpcError as e:
+                if got_any or e.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_retries:
+                    raise
+                time.sleep(min(0.2 * 2**attempt, 5.0))
+            finally:
+                call.cancel()  # no-op when finished; aborts the service's work when the caller stopped early
+
+    def update_weights(
+        self,
+        state_dict: Mapping[str, Any],
+        version: int,
+        *,
+        timeout_s: float | None = None,
+        chunk_bytes: int = 4 << 20,
+    ) -> int:
+        """Push a state dict (chunked, checksummed); returns the service's new version. The full
+        response (receive/apply/drain times) is kept in `last_weights_response`."""
+        from forkrl.weights import pack_state_dict  # torch: imported only by callers that push weights
+
+        def call(left: float) -> pb.UpdateWeightsResponse:
+            packed = pack_state_dict(state_dict, chunk_bytes)
+            header = pb.WeightsHeader(
+                target_version=version,
+                tensors=[pb.TensorMeta(**m) for m in packed.metas],
+                total_bytes=packed.total_bytes,
+                sha256=packed.sha256,
+            )
+
+            def messages() -> Iterator[pb.UpdateWeightsRequest]:
+                yield pb.UpdateWeightsRequest(header=header)
+                for chunk in packed.chunks:
+                    yield pb.UpdateWeightsRequest(chunk=chunk)
+
+            return self._stub.UpdateWeights(messages(), timeout=left, wait_for_ready=True)
+
+        resp = self._retry(call, self.timeout_s if timeout_s is None else timeout_s)
+        self.last_weights_response = resp
+        return resp.version
+
+    def load_weights(self, path: str, version: int, *, timeout_s: float | None = None) -> int:
+        """Make the service load `path` (a checkpoint dir it can read); returns the new version."""
+        req = pb.LoadWeightsRequest(path=str(path), target_version=version)
+        resp = self._retry(
+            lambda left: self._stub.LoadWeights(req, timeout=left, wait_for_ready=True),
+            self.timeout_s if timeout_s is None else timeout_s,
+        )
+        self.last_weights_response = resp
+        return resp.version
+
+    def info(self, *, timeout_s: float = 30.0) -> pb.GetInfoResponse:
+        return self._retry(
+            lambda left: self._stub.GetInfo(pb.GetInfoRequest(), timeout=left, wait_for_ready=True), timeout_s
+        )

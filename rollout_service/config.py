@@ -1,0 +1,96 @@
+"""Settings of the rollout service: CLI flags (kebab-case, 1:1 with the fields) or `ROLLOUT_*` variables.
+
+    python -m rollout_service --model models/tiny --port 50051 --kv-cache-gib 1
+    ROLLOUT_MODEL=models/tiny ROLLOUT_DTYPE=bfloat16 python -m rollout_service
+
+Imports nothing heavy: `--help` must stay instant.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+
+
+class RolloutSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="ROLLOUT_",
+        cli_prog_name="python -m rollout_service",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        use_attribute_docstrings=True,
+        extra="forbid",
+    )
+
+    model: str
+    """HF checkpoint directory to serve (config.json, tokenizer files, *.safetensors). Its safetensors
+    headers are the reference that pushed weights are checked against."""
+    host: str = "127.0.0.1"
+    """Address to listen on. 0.0.0.0 exposes the service beyond this machine (no auth: do it on purpose)."""
+    port: int = Field(50051, ge=0, le=65535)
+    """gRPC port (0 = any free port, printed at start)."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Engine dtype. float32 is the safe CPU default and matches the trainer's fp32 logprobs (~1e-5);
+    bfloat16 is ~4x faster on CPU but logprobs then differ from fp32 by up to ~0.5."""
+    max_model_len: int | None = Field(None, gt=0)
+    """Longest prompt + completion in tokens (default: the model's max_position_embeddings)."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """Memory for the KV cache in GiB (vLLM's CPU backend takes most of the RAM when unset)."""
+    enforce_eager: bool = True
+    """Skip graph capture / torch.compile: starts ~2x faster on CPU at about the same throughput."""
+    threads: int | None = Field(None, gt=0)
+    """CPU threads for the model (OMP_NUM_THREADS of the engine; in mp mode also binds cores
+    0..threads-1). Default: vLLM's automatic choice (all cores)."""
+    seed: int = 0
+    """Engine seed (requests without a seed draw from it)."""
+    engine_mode: Literal["uni", "mp"] = "uni"
+    """Where the model runs. uni: inside vLLM's engine-core process (2 processes in all, faster start,
+    ~0.6 GB less RSS); mp: in a separate worker process with vLLM's OpenMP core binding (vLLM's default
+    on CPU). The gRPC server runs apart from the model in both."""
+    max_num_seqs: int = Field(256, gt=0)
+    """Most sequences the engine batches at once (vLLM's max_num_seqs)."""
+    max_samples_per_request: int = Field(65536, gt=0)
+    """Largest len(prompts) * n one Generate call may ask for."""
+    staging_dir: str | None = None
+    """Where pushed weights are assembled as a safetensors file before the reload (default: /dev/shm
+    when writable, so the engine reads them from memory; else <cache>/weights-staging)."""
+    grace_s: float = Field(5.0, ge=0)
+    """On SIGTERM: seconds in-flight RPCs get to finish before they are cancelled."""
+    max_message_mib: int = Field(64, gt=4)
+    """gRPC send/receive message limit in MiB (weight chunks are at most 4 MiB; large Generate requests
+    carry many prompts)."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of the service (vLLM's own logging follows VLLM_LOGGING_LEVEL)."""
+
+
+def parse_cli(argv: Sequence[str] | None = None) -> RolloutSettings:
+    """Settings from CLI flags over ROLLOUT_* variables; exits with a readable message when invalid."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return CliApp.run(RolloutSettings, cli_args=args)
+    except ValidationError as e:
+        lines = [f"  --{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}" for err in e.errors()]
+        print("invalid rollout service settings:\n" + "\n".join(lines), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def apply_engine_env(settings: RolloutSettings) -> None:
+    """Set the process environment the engine reads at import: call before torch/vLLM are imported."""
+    import os
+
+    from forkrl.env import apply_runtime_env
+
+    apply_runtime_env(threads=settings.threads)
+    # The KV cache size is passed as kv_cache_memory_bytes; vLLM's CPU platform would let the legacy
+    # integer-GiB variable (which apply_runtime_env defaults to 1) override it.
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    # uni: the model runs in the engine-core process (no separate worker process).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if settings.engine_mode == "uni" else "1"
+    if settings.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(settings.threads)
+        if settings.engine_mode == "mp":
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{settings.threads - 1}"

@@ -1,0 +1,326 @@
+"""The rollout service end to end: `python -m rollout_service` (real vLLM engine) over real gRPC.
+
+One service per module (engine start ~15 s). The model is the embedded tiny model when `forkrl.tiny`
+exists, else (or with FORKRL_TEST_RANDOM_MODEL=1) a random Llama built here: any local HF checkpoint
+directory must work. References are transformers float32 forward passes with teacher forcing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from safetensors.torch import save_file
+
+from forkrl.rollout.v1 import rollout_pb2 as pb
+from forkrl.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from forkrl.rollout_client import RolloutClient
+from forkrl.weights import pack_state_dict
+from tests.service_fixtures import ServiceAddress, build_random_llama, start_rollout_service
+
+pytestmark = pytest.mark.slow
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+TOL = 1e-4
+# An in-distribution prompt (the tiny model answers in ~8 tokens) and an out-of-distribution one (runs
+# long): samples of one call finish far apart, which is what the streaming test needs.
+PROMPTS: list[str | list[int]] = ["12+34+5=", "hello world"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if os.environ.get("FORKRL_TEST_RANDOM_MODEL") != "1":
+        try:
+            import forkrl.tiny  # noqa: F401
+
+            return request.getfixturevalue("tiny_model_dir")
+        except (ImportError, pytest.FixtureLookupError):
+            pass
+    return build_random_llama(tmp_path_factory.mktemp("random-llama"))
+
+
+@pytest.fixture(scope="module")
+def service(model_dir: Path) -> Iterator[ServiceAddress]:
+    with start_rollout_service(model_dir, seed=0, kv_cache_gib=1) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def client(service: ServiceAddress) -> Iterator[RolloutClient]:
+    c = RolloutClient(service, timeout_s=120)
+    c.wait_ready(60)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def hf_logprobs(model: torch.nn.Module, t: pb.Trajectory, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of the sampled tokens, teacher-forced in float32."""
+    p = len(t.prompt_token_ids)
+    ids = torch.tensor([list(t.prompt_token_ids) + list(t.completion_token_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, p - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, p:, None])[:, 0]
+
+
+def max_logprob_diff(model: torch.nn.Module, trajs: list[pb.Trajectory], temperature: float) -> float:
+    diffs = [
+        (hf_logprobs(model, t, temperature) - torch.tensor(list(t.logprobs))).abs().max().item()
+        for t in trajs
+    ]
+    return max(diffs)
+
+
+def perturbed(model: torch.nn.Module, scale: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * v.std() * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+
+def model_with(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    import copy
+
+    m = copy.deepcopy(model)
+    m.load_state_dict(state)
+    return m
+
+
+def fingerprint(client: RolloutClient) -> list[tuple[int, int, list[int], list[float], int]]:
+    """Seeded samples: identical before and after anything that must not change the weights."""
+    ts = client.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=12, seed=123)
+    return sorted(
+        (t.prompt_index, t.sample_index, list(t.completion_token_ids), list(t.logprobs), t.policy_version)
+        for t in ts
+    )
+
+
+def test_generate_streams_every_sample_with_hf_logprobs(client: RolloutClient, hf, tokenizer):
+    n, max_new = 16, 120
+    trajs, running_at_first = [], None
+    for t in client.generate(PROMPTS, n=n, temperature=1.0, max_new_tokens=max_new, seed=0):
+        if not trajs:
+            # Streamed, not batched at the end: when the first sample arrives the engine still runs others.
+            running_at_first = client.info().counters.running_requests
+        trajs.append(t)
+    assert len(trajs) == len(PROMPTS) * n
+    assert sorted((t.prompt_index, t.sample_index) for t in trajs) == [
+        (i, j) for i in range(2) for j in range(n)
+    ]
+    lengths = [len(t.completion_token_ids) for t in trajs]
+    assert lengths[0] < max(lengths) and running_at_first > 0
+    for t in trajs:
+        assert t.policy_version == 0 and len(t.logprobs) == len(t.completion_token_ids) > 0
+        if t.finish_reason == pb.FINISH_REASON_LENGTH:
+            assert len(t.completion_token_ids) == max_new
+        else:
+            assert (
+                t.finish_reason == pb.FINISH_REASON_STOP
+                and t.completion_token_ids[-1] == tokenizer.eos_token_id
+            )
+        assert list(t.prompt_token_ids) == tokenizer(PROMPTS[t.prompt_index]).input_ids
+    assert max_logprob_diff(hf, trajs, 1.0) < TOL
+
+
+def test_logprobs_at_temperature_07_and_seeded_repeat(client: RolloutClient, hf):
+    ids_prompt = [list(x) for x in [[1, 20, 21, 22], [1, 30]]]  # token-id prompts
+    a = list(client.generate(ids_prompt, n=4, temperature=0.7, max_new_tokens=24, seed=5))
+    diff = max_logprob_diff(hf, a, 0.7)
+    assert diff < TOL
+    assert max_logprob_diff(hf, a, 1.0) > 10 * TOL  # the logprobs really are at T = 0.7
+    b = list(client.generate(ids_prompt, n=4, temperature=0.7, max_new_tokens=24, seed=5))
+    key = lambda t: (t.prompt_index, t.sample_index)  # noqa: E731
+    assert [list(t.completion_token_ids) for t in sorted(a, key=key)] == [
+        list(t.completion_token_ids) for t in sorted(b, key=key)
+    ]
+
+
+def test_large_seeded_batch_survives_chunked_scheduling(client: RolloutClient, tokenizer):
+    """More prompt tokens than one engine step takes (2048 by default): on vLLM's CPU backend, chunked
+    prefill of a seeded request calls `set_offset` on a CPU generator, which kills the engine core."""
+    max_len = client.info().engine.max_model_len
+    digits = tokenizer("0123456789", add_special_tokens=False).input_ids
+    prompts = [[digits[(i * 7 + k) % 10] for k in range(max_len - 8)] for i in range(32)]
+    trajs = list(client.generate(prompts, n=1, temperature=1.0, max_new_tokens=4, seed=11))
+    assert len(trajs) == 32 and sum(len(t.prompt_token_ids) for t in trajs) > 3 * 2048
+
+
+def test_bad_inputs_are_invalid_argument(client: RolloutClient):
+    info = client.info()
+    limit, max_len = info.vocab_size, info.engine.max_model_len
+    cases = [
+        ({"n": 0}, "sampling.n must be > 0, got 0"),
+        ({"temperature": -1.0}, "sampling.temperature must be >= 0, got -1"),
+        (
+            {"prompts": [[1, limit]]},
+            f"prompts[0].token_ids[1] must be in [0, {limit}) (the vocabulary), got {limit}",
+        ),
+        (
+            {"prompts": [[1, 2, 3]], "max_new_tokens": max_len},
+            f"prompts[0] has 3 tokens: 3 + sampling.max_new_tokens {max_len} exceeds max_model_len {max_len}",
+        ),
+    ]
+    for kwargs, message in cases:
+        args = {"prompts": [[1, 2]], "n": 1, "max_new_tokens": 4} | kwargs
+        with pytest.raises(grpc.RpcError) as e:
+            list(client.generate(**args))
+        assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def test_update_weights_serves_the_new_weights(client: RolloutClient, hf):
+    version = client.info().version
+    new_state = perturbed(hf, 0.3, seed=1)
+    assert client.update_weights(new_state, version + 1, chunk_bytes=256 << 10) == version + 1  # many chunks
+    resp = client.last_weights_response
+    assert resp.bytes_received == sum(v.numel() * 4 for v in new_state.values())
+    trajs = list(client.generate(PROMPTS, n=4, temperature=1.0, max_new_tokens=24, seed=9))
+    assert {t.policy_version for t in trajs} == {version + 1}
+    assert max_logprob_diff(model_with(hf, new_state), trajs, 1.0) < TOL
+    assert max_logprob_diff(hf, trajs, 1.0) > 1e-2  # and no longer the old weights
+    assert client.info().counters.weight_reloads >= 1
+
+
+def test_load_weights_serves_the_checkpoint(client: RolloutClient, hf, tmp_path: Path):
+    version = client.info().version
+    new_state = perturbed(hf, 0.3, seed=2)
+    save_file({k: v.contiguous() for k, v in new_state.items()}, str(tmp_path / "model.safetensors"))
+    assert client.load_weights(str(tmp_path), version + 1) == version + 1
+    trajs = list(client.generate(PROMPTS, n=4, temperature=0.7, max_new_tokens=24, seed=9))
+    assert {t.policy_version for t in trajs} == {version + 1}
+    assert max_logprob_diff(model_with(hf, new_state), trajs, 0.7) < TOL
+
+
+def test_failed_updates_keep_the_old_weights(client: RolloutClient, service: ServiceAddress, hf):
+    info = client.info()
+    before, version = fingerprint(client), info.version
+    rejected = info.counters.rejected_weight_updates
+    metas, total, sha, chunks = pack_state_dict(perturbed(hf, 0.5, seed=3), chunk_bytes=64 << 10)
+    chunks = list(chunks)
+
+    def messages(sha256: str, target: int, n_chunks: int | None = None, hang: bool = False):
+        header = pb.WeightsHeader(
+            target_version=target,
+            tensors=[pb.TensorMeta(**m) for m in metas],
+            total_bytes=total,
+            sha256=sha256,
+        )
+        yield pb.UpdateWeightsRequest(header=header)
+        for c in chunks[:n_chunks]:
+            yield pb.UpdateWeightsRequest(chunk=c)
+        if hang:
+            time.sleep(60)
+
+    with grpc.insecure_channel(service) as ch:
+        stub = pb_grpc.RolloutServiceStub(ch)
+        corrupt = ("f" if sha[0] != "f" else "0") + sha[1:]
+        with pytest.raises(grpc.RpcError) as e:
+            stub.UpdateWeights(messages(corrupt, version + 1), timeout=60)
+        assert e.value.code() == grpc.StatusCode.DATA_LOSS and "sha256" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.UpdateWeights(messages(sha, version), timeout=60)
+        assert e.value.code() == grpc.StatusCode.ABORTED
+        # aborted stream: half the chunks, then the client cancels
+        fut = stub.UpdateWeights.future(
+            messages(sha, version + 1, n_chunks=len(chunks) // 2, hang=True), timeout=60
+        )
+        time.sleep(1.0)
+        fut.cancel()
+    deadline = time.monotonic() + 10
+    while client.info().counters.rejected_weight_updates < rejected + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    info = client.info()
+    assert info.counters.rejected_weight_updates == rejected + 3
+    assert info.version == version
+    assert fingerprint(client) == before
+
+
+def test_cancel_aborts_the_engine_requests(client: RolloutClient):
+    before = client.info().counters.aborted_requests
+    stream = client.generate(PROMPTS, n=32, temperature=1.0, max_new_tokens=200, seed=1)
+    next(stream)
+    stream.close()  # cancels the RPC: the service must abort what is still running
+    deadline = time.monotonic() + 10
+    while client.info().counters.running_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    counters = client.info().counters
+    assert counters.running_requests == 0
+    assert counters.aborted_requests > before
+
+
+def test_health_is_not_serving_during_a_swap(client: RolloutClient, service: ServiceAddress, hf):
+    statuses: list[int] = []
+    with grpc.insecure_channel(service) as ch:
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+
+        def collect() -> None:
+            try:
+                for r in watch:
+                    statuses.append(r.status)
+            except grpc.RpcError:  # cancelled below
+                pass
+
+        watcher = threading.Thread(target=collect, daemon=True)
+        watcher.start()
+        # a long generation in flight: the swap waits for it (drain) with health NOT_SERVING
+        inflight: list[pb.Trajectory] = []
+        gen = threading.Thread(
+            target=lambda: inflight.extend(
+                client.generate(PROMPTS, n=32, temperature=1.0, max_new_tokens=200, seed=2)
+            )
+        )
+        version = client.info().version
+        gen.start()
+        while client.info().counters.running_requests == 0 and gen.is_alive():
+            time.sleep(0.01)
+        assert client.update_weights(perturbed(hf, 0.1, seed=4), version + 1) == version + 1
+        gen.join(60)
+        time.sleep(0.2)
+        watch.cancel()
+        watcher.join(5)
+    assert statuses[:1] == [SERVING] and statuses[-1] == SERVING
+    assert NOT_SERVING in statuses
+    assert len(inflight) == 64 and {t.policy_version for t in inflight} == {version}  # never mixed
+    assert client.last_weights_response.drain_s > 0
+
+
+def test_info_reports_engine_and_counters(client: RolloutClient, model_dir: Path):
+    info = client.info()
+    assert info.model == str(model_dir)
+    assert info.engine.dtype == "float32" and info.engine.logprobs_mode == "processed_logprobs"
+    assert info.engine.kv_cache_gib == 1 and info.engine.enforce_eager and info.engine.engine_mode == "uni"
+    c = info.counters
+    assert c.requests >= 6 and c.samples > 100 and c.generated_tokens > c.samples and c.weight_reloads >= 3
+
+
+def test_sigterm_stops_gracefully(service: ServiceAddress):
+    proc = service.process
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # anything left in the service's process group?
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("engine processes outlived the rollout service")
