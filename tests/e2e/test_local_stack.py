@@ -1,0 +1,94 @@
+"""All three services through the local launcher (compose.yaml's commands), a masked run, a probe.
+
+start stack → clients/start_run.py --entropy-top-frac 0.2 (2 steps, a checkpoint each) → POST /probe of
+both checkpoints → check the outputs → stop the stack and check that no process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.service_fixtures import REPO_ROOT, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _descendants(pid: int) -> set[int]:
+    """All live descendants of pid (from /proc, no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_stack_run_probe_and_clean_shutdown(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from clients.stack import Stack
+
+    data = tmp_path / "data"
+    # reuse the session's built model instead of building it again inside the stack's data dir
+    (data / "models").mkdir(parents=True)
+    os.symlink(tiny_model_dir, data / "models" / "tiny")
+    pids: set[int] = set()
+    ports = {f"{n}_PORT": str(free_port()) for n in ("ROLLOUT", "TRAINER", "PROBE")}
+    with Stack(data_dir=data, echo=False, timeout=600, env=ports) as stack:
+        addr = stack.addresses
+        assert set(addr) >= {"rollout", "trainer", "probe"}
+        for svc in stack.procs.values():
+            if svc.running:
+                pids.add(svc.proc.pid)
+                pids |= _descendants(svc.proc.pid)
+
+        run_dir = data / "runs" / "e2e"
+        cmd = [sys.executable, str(REPO_ROOT / "clients" / "start_run.py"), "--entropy-top-frac", "0.2",
+               "--num-steps", "2", "--save-every", "1", "--prompts-per-step", "8", "--group-size", "4",
+               "--eval-prompts", "0", "--run-dir", str(run_dir), "--model", str(data / "models" / "tiny"),
+               "--rollout-addresses", addr["rollout"], "--trainer-address", addr["trainer"]]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in lines if m["kind"] == "train"] == [1, 2]
+        assert all(abs(m["kept_frac"] - 0.2) < 0.05 for m in lines if m["kind"] == "train")
+
+        body = {"checkpoint_root": str(run_dir / "checkpoints"), "steps": [1], "include_final": True,
+                "num_prompts": 4, "group_size": 4, "max_positions_per_group": 4, "seed": 0}
+        resp = httpx.post(f"{addr['probe']}/probe", params={"wait": "true"}, json=body, timeout=600)
+        assert resp.status_code == 200, resp.text[:2000]
+        summary = resp.json()
+        labels = [c["label"] for c in summary["checkpoints"]]
+        assert len(labels) == 2 and any("final" in lb for lb in labels), labels
+        assert summary["n_records"] > 0
+        results = summary["results"]
+        assert results and {r["checkpoint"] for r in results} == set(labels)
+        for r in results:
+            med = r["grad_norm"]["median"]
+            assert med is None or (math.isfinite(med) and med > 0)
+        missing = httpx.post(f"{addr['probe']}/probe", json={**body, "steps": [7]}, timeout=60)
+        assert missing.status_code == 404 and "available_steps" in missing.text
+    leftover = [p for p in pids if _alive(p)]
+    assert pids and not leftover, f"processes left running after the stack stopped: {leftover}"
