@@ -193,6 +193,7 @@ class Backend(Protocol):
     async def abort(self, request_ids: list[str]) -> None: ...
     async def reload(self, path: str) -> None: ...
     def num_unfinished(self) -> int: ...
+    def errored(self) -> bool: ...
     def shutdown(self) -> None: ...
 
 
@@ -676,6 +677,10 @@ class VllmBackend:
 
     def num_unfinished(self) -> int:
         return int(self._llm.get_num_unfinished_requests())
+
+    def errored(self) -> bool:
+        """True once the engine core died (e.g. a crash inside a kernel); it never recovers by itself."""
+        return bool(self._llm.errored)
 
     def shutdown(self) -> None:
         import gc

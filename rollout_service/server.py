@@ -253,6 +253,20 @@ def build_server(settings: RolloutSettings) -> tuple[grpc.aio.Server, RolloutSer
     return server, servicer, health, port
 
 
+async def _watch_engine(servicer: Any, stop: asyncio.Event, every_s: float = 2.0) -> bool:
+    """Stop the service (exit code 1) when the engine dies, so that health never says SERVING for a dead
+    engine and a supervisor (Docker, the launcher) sees the failure and can restart it."""
+    while not stop.is_set():
+        await asyncio.sleep(every_s)
+        backend = servicer.engine.backend if servicer.engine is not None else None
+        if backend is not None and backend.errored():
+            log.error("the vLLM engine died: NOT_SERVING and exiting with status 1")
+            await servicer.set_serving(False)
+            stop.set()
+            return True
+    return False
+
+
 async def serve(settings: RolloutSettings, make_backend: Callable[[RolloutSettings], Any] | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     server, servicer, health, port = build_server(settings)
@@ -273,7 +287,11 @@ async def serve(settings: RolloutSettings, make_backend: Callable[[RolloutSettin
         code = 1
     elif load.done():
         log.info("engine ready: %s (v%d) SERVING on %s:%d", settings.model, 0, settings.host, port)
+        watchdog = asyncio.create_task(_watch_engine(servicer, stop))
         await stopper
+        if watchdog.done() and watchdog.result():
+            code = 1
+        watchdog.cancel()
     log.info("shutting down: NOT_SERVING, grace %.1f s", settings.grace_s)
     await health.enter_graceful_shutdown()
     await server.stop(settings.grace_s)

@@ -324,3 +324,16 @@ def test_sigterm_stops_gracefully(service: ServiceAddress):
         time.sleep(0.1)
     else:
         pytest.fail("engine processes outlived the rollout service")
+
+
+def test_dead_engine_core_takes_the_service_down(model_dir: Path):
+    """kill -9 of vLLM's engine-core process: the service must not keep answering SERVING for a dead
+    engine; it goes NOT_SERVING and exits with status 1 so Docker or the launcher sees the failure."""
+    with start_rollout_service(model_dir) as service:
+        proc = service.process
+        children = [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/stat")
+                    if p.read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)]
+        cores = [pid for pid in children if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert cores, "no engine-core child process found"
+        os.kill(cores[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1

@@ -72,6 +72,11 @@ class FakeBackend:
     def num_unfinished(self) -> int:
         return len(self.running)
 
+    dead = False
+
+    def errored(self) -> bool:
+        return self.dead
+
     def shutdown(self) -> None:
         pass
 
@@ -419,3 +424,24 @@ def test_messages_stay_under_a_mebibyte():
     groups = _messages([big] * 7)
     assert [len(g) for g in groups] == [3, 3, 1]
     assert all(sum(t.ByteSize() for t in g) <= 1 << 20 for g in groups)
+
+
+def test_dead_engine_stops_the_service_with_status_1(tmp_path: Path) -> None:
+    save_file(MODEL, str(tmp_path / "model.safetensors"))
+    """A crashed engine must not keep answering SERVING: the service goes NOT_SERVING and exits 1."""
+    from rollout_service.server import serve
+
+    backend = FakeBackend(str(tmp_path))
+
+    async def make_backend(settings: RolloutSettings) -> FakeBackend:
+        return backend
+
+    async def main() -> int:
+        settings = RolloutSettings(model=str(tmp_path), port=0, staging_dir=str(tmp_path / "staging"))
+        task = asyncio.ensure_future(serve(settings, make_backend))
+        await asyncio.sleep(0.5)
+        assert not task.done()  # healthy engine: keeps serving
+        backend.dead = True
+        return await asyncio.wait_for(task, timeout=30)
+
+    assert asyncio.run(main()) == 1
