@@ -16,6 +16,7 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
@@ -24,6 +25,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from probe_service.config import ProbeSettings
 from probe_service.jobs import Job, JobFinished, JobManager, JobNotFound, QueueFull, RequestError, build_params
 from probe_service.schemas import JobCreated, JobList, JobStatus, ProbeRequest
+
+
+class JsonBodyByDefault:
+    """`curl -X POST URL -d '{...}'` labels its body application/x-www-form-urlencoded. JSON is the only
+    body this API takes, so a POST without a JSON content type is read as JSON (one curl, no -H needed)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            ctype = dict(scope["headers"]).get(b"content-type", b"")
+            if not ctype.startswith(b"application/json"):
+                scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
 
 
 def create_app(settings: ProbeSettings | None = None) -> FastAPI:
@@ -48,6 +65,7 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings, app.state.manager = settings, manager
+    app.add_middleware(JsonBodyByDefault)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:

@@ -248,6 +248,13 @@ def test_missing_steps_404_lists_existing(env):
     assert r.status_code == 404 and "final" in r.json()["detail"]
 
 
+def test_plain_curl_body_is_read_as_json(env):
+    """`curl -X POST URL -d '{...}'` (no -H) sends application/x-www-form-urlencoded: still JSON to us."""
+    body = json.dumps({"checkpoint_root": str(env["root"]), "steps": [1, 40]})
+    r = env["client"].post("/probe", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 404 and r.json()["missing_steps"] == [40]
+
+
 @pytest.mark.parametrize(
     "field,value",
     [
