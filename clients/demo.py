@@ -110,13 +110,17 @@ def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from clients.stack import Stack
-    from forkrl.tiny import build_tiny_model
+    from forkrl.tiny import build_tiny_model, default_model_dir
 
     data = args.data_dir.resolve()
     t0 = time.monotonic()
-    model_dir = data / "models" / "tiny"
-    print(f"[demo] building the embedded tiny model into {model_dir} (cached)", flush=True)
-    build_tiny_model(model_dir)
+    shared = default_model_dir()
+    print(f"[demo] building the embedded tiny model into {shared} (cached: the tests use the same one)", flush=True)
+    build_tiny_model(shared)
+    model_dir = data / "models" / "tiny"  # where the stack's one-shot `model` service looks (compose.yaml)
+    if not model_dir.exists():
+        model_dir.parent.mkdir(parents=True, exist_ok=True)
+        model_dir.symlink_to(shared.resolve(), target_is_directory=True)
     run_dir = data / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")
     save_every = max(1, args.num_steps // 2)
     with Stack(data_dir=data) as stack:
