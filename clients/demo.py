@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -118,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] building the embedded tiny model into {shared} (cached: the tests use the same one)", flush=True)
     build_tiny_model(shared)
     model_dir = data / "models" / "tiny"  # where the stack's one-shot `model` service looks (compose.yaml)
-    if not model_dir.exists():
-        model_dir.parent.mkdir(parents=True, exist_ok=True)
-        model_dir.symlink_to(shared.resolve(), target_is_directory=True)
+    if not model_dir.exists():  # a copy (2 MB), not a symlink: the probe only reads inside its allowed root
+        shutil.copytree(shared, model_dir)
     run_dir = data / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")
     save_every = max(1, args.num_steps // 2)
     with Stack(data_dir=data) as stack:
