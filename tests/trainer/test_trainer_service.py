@@ -250,3 +250,43 @@ def test_resume_after_kill_9_gives_the_same_weights(rollout_address, tiny_model_
     assert a.keys() == b.keys()
     diffs = {k: float((a[k] - b[k]).abs().max()) for k in a}
     assert max(diffs.values()) == 0.0, f"resumed weights differ: {diffs}"
+
+
+def test_prompts_spread_over_several_rollout_services_sample_identically(rollout_address) -> None:
+    """Sharding prompts over N rollout addresses must not change a single sample (seeds follow the global
+    prompt index), so runs and resumes do not depend on how many rollout services there are."""
+    from trainer_service.loop import Rollouts
+
+    prompts = [f"{a}+{b}+{c}=" for a, b, c in ((1, 2, 3), (45, 6, 78), (9, 90, 9), (12, 34, 56), (7, 0, 70))]
+    one = Rollouts([rollout_address]).generate(prompts, n=3, temperature=1.0, max_new_tokens=11, seed=42)
+    two = Rollouts([rollout_address, rollout_address]).generate(prompts, n=3, temperature=1.0, max_new_tokens=11,
+                                                                seed=42)
+    assert [[list(t.completion_token_ids) for t in g] for g in one] == \
+        [[list(t.completion_token_ids) for t in g] for g in two]
+    assert [[list(t.prompt_token_ids) for t in g] for g in one] == [[list(t.prompt_token_ids) for t in g] for g in two]
+
+
+def test_ctrl_c_in_the_client_detaches_and_the_run_goes_on(rollout_address, trainer, tiny_model_dir) -> None:
+    address, _ = trainer
+    cmd = [sys.executable, str(REPO_ROOT / "clients" / "start_run.py"), "--num-steps", "1000",
+           "--prompts-per-step", "4", "--group-size", "2", "--eval-prompts", "0", "--model", str(tiny_model_dir),
+           "--rollout-addresses", rollout_address, "--trainer-address", address]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    first = proc.stdout.readline()
+    assert "started" in first, first
+    run_id = first.split()[1]
+    stub = _stub(address)
+    deadline = time.monotonic() + 120
+    while stub.GetRun(trainer_pb2.GetRunRequest(run_id=run_id), timeout=10).step < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # no terminal: the client detaches instead of asking
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert f"--watch {run_id}" in out
+    run = stub.GetRun(trainer_pb2.GetRunRequest(run_id=run_id), timeout=10)
+    assert run.state == trainer_pb2.RUN_STATE_RUNNING
+    stub.StopRun(trainer_pb2.StopRunRequest(run_id=run_id), timeout=30)
+    items = list(stub.WatchRun(trainer_pb2.WatchRunRequest(run_id=run_id), timeout=300))
+    assert items[-1].event.state == trainer_pb2.RUN_STATE_STOPPED
