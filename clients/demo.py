@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copytree(shared, model_dir)
     run_dir = data / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")
     save_every = max(1, args.num_steps // 2)
-    with Stack(data_dir=data) as stack:
+    print(f"[demo] starting rollout, trainer and probe (their logs: {data / 'logs'}/<service>.log)", flush=True)
+    with Stack(data_dir=data, echo="launch") as stack:
         addr = stack.addresses
         print(f"[demo] stack up after {time.monotonic() - t0:.0f}s: {addr}", flush=True)
         cmd = [sys.executable, str(REPO_ROOT / "clients" / "start_run.py"),
