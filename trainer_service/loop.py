@@ -98,6 +98,7 @@ class DataOrder:
 
     def __init__(self, problems: list[Problem], seed: int, cursor: int = 0) -> None:
         self.problems, self.seed, self.cursor = problems, seed, cursor
+        self._epoch, self._order = -1, []
 
     def take(self, k: int) -> list[Problem]:
         out = []
@@ -110,11 +111,11 @@ class DataOrder:
         return out
 
     def _perm(self, epoch: int) -> list[int]:
-        if getattr(self, "_cached", (None,))[0] != epoch:
-            idx = list(range(len(self.problems)))
-            random.Random(_seed_for("data", self.seed, epoch)).shuffle(idx)
-            self._cached = (epoch, idx)
-        return self._cached[1]
+        if epoch != self._epoch:
+            self._order = list(range(len(self.problems)))
+            random.Random(_seed_for("data", self.seed, epoch)).shuffle(self._order)
+            self._epoch = epoch
+        return self._order
 
 
 class MetricsSink:
