@@ -182,6 +182,11 @@ class Rollouts:
     def version(self) -> int:
         return max(c.info().version for c in self.clients)
 
+    def serve_initial(self, model_dir: str) -> bool:
+        """True when every service still serves the checkpoint it started with and that is `model_dir`."""
+        want = Path(model_dir).resolve()
+        return all(i.version == 0 and Path(i.model).resolve() == want for i in (c.info() for c in self.clients))
+
     def push(self, model: torch.nn.Module, version: int, mode: str, run_dir: Path) -> float:
         state = {k: v.detach() for k, v in model.state_dict().items()}
         t0 = time.perf_counter()
@@ -287,9 +292,9 @@ def run_training(run: Run, settings: TrainerSettings) -> None:
     run.event("LOG", f"waiting for rollout service(s) {', '.join(cfg.rollout_addresses)}")
     rollouts.wait_ready()
     version = rollouts.version()
-    # The rollout must serve exactly the policy we train: on resume or when it serves something else
-    # (another run's weights), push ours first.
-    if resume_from is not None or version != 0:
+    # The rollout must serve exactly the policy we train: on resume, or when it serves anything but our
+    # initial checkpoint (another model, another run's weights), push ours first.
+    if resume_from is not None or not rollouts.serve_initial(cfg.model):
         version += 1
         rollouts.push(model, version, cfg.weight_sync, run_dir)
     run.event("STARTED", f"run {run.run_id} on {device}: loss {cfg.loss}, entropy_top_frac {cfg.entropy_top_frac}, "

@@ -22,7 +22,7 @@ from forkrl.checkpoint import latest_checkpoint, read_state
 from forkrl.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from forkrl.run_config import RunConfig, to_proto
 from forkrl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from tests.service_fixtures import REPO_ROOT
+from tests.service_fixtures import REPO_ROOT, start_rollout_service
 from tests.trainer.conftest import start_trainer_service
 
 pytestmark = pytest.mark.slow
@@ -290,3 +290,29 @@ def test_ctrl_c_in_the_client_detaches_and_the_run_goes_on(rollout_address, trai
     stub.StopRun(trainer_pb2.StopRunRequest(run_id=run_id), timeout=30)
     items = list(stub.WatchRun(trainer_pb2.WatchRunRequest(run_id=run_id), timeout=300))
     assert items[-1].event.state == trainer_pb2.RUN_STATE_STOPPED
+
+
+def test_a_run_on_another_model_syncs_the_rollout_first(trainer, tiny_model_dir, tmp_path) -> None:
+    """A fresh rollout service (version 0) serving the tiny model, and a run on another checkpoint: the
+    trainer must push its initial weights before the first Generate, or step 1 trains on samples of a
+    policy it is not training."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    other = tmp_path / "perturbed"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, use_safetensors=True)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(other, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(other)
+
+    with start_rollout_service(tiny_model_dir) as rollout_address:
+        assert _rollout_info(rollout_address).version == 0
+        cfg = RunConfig(model=str(other), rollout_addresses=[rollout_address], num_steps=1,
+                        run_dir=str(tmp_path / "r"), **SMALL)
+        _, _, run = _run(trainer[0], cfg)
+        assert run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
+        assert _rollout_info(rollout_address).version == 2  # initial sync + the step's push
+    (m,) = _metric_lines(tmp_path / "r")
+    assert m["logp_delta_max"] < 1e-3  # step 1 was sampled from exactly the policy being trained
