@@ -30,7 +30,8 @@ def test_round_trip_restores_weights_optimizer_and_rng(tmp_path: Path) -> None:
     _train_once(model, opt)
     path = ck.save_checkpoint(tmp_path, ck.checkpoint_name(1), model, None, opt, {"step": 1, "data_cursor": 32})
     assert path.name == "step_000001"
-    assert {"config.json", "model.safetensors", "trainer_state", "trainer_state.json"} <= {p.name for p in path.iterdir()}
+    names = {p.name for p in path.iterdir()}
+    assert {"config.json", "model.safetensors", "trainer_state", "trainer_state.json"} <= names
     # the only top-level safetensors file is the model: engines load every *.safetensors of the dir
     assert [p.name for p in path.glob("*.safetensors")] == ["model.safetensors"]
     assert (path / "trainer_state" / "optimizer.safetensors").is_file()
