@@ -15,6 +15,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 [ -t 1 ] || export TQDM_MININTERVAL=${TQDM_MININTERVAL:-10}  # CI logs: a progress line every 10 s, not 10 a second
 "$VENV/bin/python" -m forkrl.tiny build --out "${FORKRL_MODEL_DIR:-models/tiny}"
 
+"$VENV/bin/ruff" check --quiet . || { echo "[test] ruff found problems (see above)"; exit 1; }
+
 markers=()
 if [ "${FORKRL_DOCKER_TESTS:-}" = 1 ] || { [ "${CI:-}" = true ] && [ "${FORKRL_DOCKER_TESTS:-}" != 0 ]; }; then
   if [ "${CI:-}" = true ] && [ "$(id -u)" = 0 ] && ! command -v docker-compose >/dev/null 2>&1; then
