@@ -21,7 +21,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "docker_e2e.sh"
 
-pytestmark = [pytest.mark.docker, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
 def _docker_usable() -> str | None:
