@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from forkrl.entropy import token_logprobs_and_entropy
+
 __all__ = [
     "TokenStats",
     "Trajectory",
@@ -213,16 +215,7 @@ class TokenStats:
 
 
 def _logp_entropy(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    try:
-        from forkrl.entropy import token_logprobs_and_entropy
-    except ImportError:  # pragma: no cover - the core module exists in the project
-        s = logits.to(_float_dtype(logits.dtype)) / temperature
-        logq = torch.log_softmax(s, -1)
-        ent = (-(logq.exp() * logq).sum(-1)).clamp_min(0)
-        return logq.gather(-1, targets[:, None]).squeeze(-1), ent
-    if logits.dtype == torch.float64:  # keep float64 exact for float64 test models
-        logq = torch.log_softmax(logits / temperature, -1)
-        return logq.gather(-1, targets[:, None]).squeeze(-1), (-(logq.exp() * logq).sum(-1)).clamp_min(0)
+    """The core's one-pass logp (differentiable) and entropy (detached) at T; float64 logits stay float64."""
     logp, ent = token_logprobs_and_entropy(logits, targets, temperature=temperature, with_entropy=True)
     return logp, ent
 
