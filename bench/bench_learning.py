@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     import grpc
 
     from clients.stack import Stack
-    from forkrl.run_config import RunConfig, to_proto
-    from forkrl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+    from forkrl.training.config import RunConfig, to_proto
+    from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
     data = args.data_dir.resolve()
     model = data / "models" / "tiny"  # built (cached) by the stack's one-shot `model` service

@@ -27,7 +27,7 @@ from pathlib import Path
 def _model_dir(arg: str | None, tmp: Path) -> tuple[Path, str]:
     if arg:
         return Path(arg), "given"
-    from forkrl.tiny import default_model_dir
+    from forkrl.models.tiny import default_model_dir
 
     d = default_model_dir()
     if (d / "model.safetensors").is_file():
@@ -35,7 +35,7 @@ def _model_dir(arg: str | None, tmp: Path) -> tuple[Path, str]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from forkrl.tiny import build_tokenizer
+    from forkrl.models.tiny import build_tokenizer
 
     tok = build_tokenizer()
     cfg = LlamaConfig(

@@ -49,7 +49,7 @@ def model_dir(arg: str | None) -> Path:
 
 
 def prompts(count: int) -> list[str]:
-    from forkrl.tasks import make_split
+    from forkrl.data.tasks import make_split
 
     return [p.prompt for p in make_split("sum3", "eval", count, seed=0)]
 
@@ -58,7 +58,7 @@ async def inprocess_round(backend, prompt_ids: list[list[int]], args: argparse.N
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from rollout_service.engine import sample_seed
+    from forkrl.seeds import sample_seed
 
     llm = backend._llm
 
@@ -87,7 +87,7 @@ def main() -> int:
 
     import psutil
 
-    from forkrl.rollout_client import RolloutClient
+    from forkrl.clients.rollout import RolloutClient
     from rollout_service.engine import VllmBackend
     from tests.service_fixtures import start_rollout_service
 

@@ -57,8 +57,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, float]:
     from safetensors.torch import load_file
     from vllm import LLM
 
-    from forkrl.rollout_client import RolloutClient
-    from forkrl.weights import pack_state_dict
+    from forkrl.clients.rollout import RolloutClient
+    from forkrl.weights.wire import pack_state_dict
     from tests.service_fixtures import start_rollout_service
 
     path = model_dir(name)

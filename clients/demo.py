@@ -111,7 +111,7 @@ def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from clients.stack import Stack
-    from forkrl.tiny import build_tiny_model, default_model_dir
+    from forkrl.models.tiny import build_tiny_model, default_model_dir
 
     data = args.data_dir.resolve()
     t0 = time.monotonic()

@@ -6,7 +6,7 @@
     python clients/start_run.py --detach ...        # print the run id and return
     python clients/start_run.py --watch RUN_ID      # follow a run that is already going
 
-Every training flag maps 1:1 to a field of RunConfig (forkrl/run_config.py) and of the StartRun message.
+Every training flag maps 1:1 to a field of RunConfig (forkrl/training/config.py) and of the StartRun message.
 Bad values are rejected here, before anything is sent. Ctrl-C asks whether to stop the run or detach.
 Exit status: 0 when the run succeeded (or was stopped on request / detached), 1 when it failed, 2 for bad flags.
 """
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from pydantic import ValidationError  # noqa: E402
 
-from forkrl.run_config import RunConfig, describe_validation_error, to_proto  # noqa: E402
+from forkrl.training.config import RunConfig, describe_validation_error, to_proto  # noqa: E402
 
 CLIENT_FLAGS = ("trainer_address", "detach", "watch", "connect_timeout_s")
 
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from forkrl.trainer.v1 import trainer_pb2 as pb2
-    from forkrl.trainer.v1 import trainer_pb2_grpc
+    from forkrl.wire.trainer.v1 import trainer_pb2 as pb2
+    from forkrl.wire.trainer.v1 import trainer_pb2_grpc
 
     channel = grpc.insecure_channel(args.trainer_address)
     health_stub = health_pb2_grpc.HealthStub(channel)

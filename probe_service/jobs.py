@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -21,6 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from forkrl.files import atomic_write_json
 from forkrl.probe.job import (
     CheckpointNotFound,
     ProbeCancelled,
@@ -324,9 +324,7 @@ class JobManager:
             self.m_seconds.labels(state).observe(job.finished_at - job.started_at)
         try:
             job.out_dir.mkdir(parents=True, exist_ok=True)
-            tmp = job.out_dir / f".job.json.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(job.status_dict(), indent=2))
-            os.replace(tmp, job.out_dir / "job.json")
+            atomic_write_json(job.out_dir / "job.json", job.status_dict())
         except OSError:
             log.exception("cannot write job.json for %s", job.id)
         job.finished_event.set()

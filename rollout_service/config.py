@@ -82,7 +82,7 @@ def apply_engine_env(settings: RolloutSettings) -> None:
     """Set the process environment the engine reads at import: call before torch/vLLM are imported."""
     import os
 
-    from forkrl.env import apply_runtime_env
+    from forkrl.runtime import apply_runtime_env
 
     apply_runtime_env(threads=settings.threads)
     # The KV cache size is passed as kv_cache_memory_bytes; vLLM's CPU platform would let the legacy

@@ -32,15 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from forkrl.weights import (
-    CHUNK_BYTES,
-    TensorMeta,
-    WeightsError,
-    checkpoint_files,
-    read_checkpoint_specs,
-    safetensors_prefix,
-    validate_metas,
-)
+from forkrl.seeds import sample_seed
+from forkrl.weights.safetensors import DTYPES, WeightsError, checkpoint_files, read_checkpoint_specs, safetensors_prefix
+from forkrl.weights.wire import CHUNK_BYTES, TensorMeta, validate_metas
 
 log = logging.getLogger("rollout_service")
 
@@ -132,12 +126,6 @@ class SwapResult:
     bytes_received: int = 0
 
 
-def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """A per-sample engine seed: reproducible for (seed, prompt, sample), unrelated across samples."""
-    h = hashlib.blake2b(f"{seed}:{prompt_index}:{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-
 # ------------------------------------------------------------------------------------------- the gate
 class SwapGate:
     """Samples enter and leave; a swap closes the gate, waits for zero samples inside, and reopens."""
@@ -201,7 +189,7 @@ def default_staging_dir() -> Path:
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         return shm / "forkrl-rollout"
-    from forkrl.env import cache_dir
+    from forkrl.runtime import cache_dir
 
     return cache_dir() / "weights-staging"
 
@@ -558,8 +546,6 @@ class _Stager:
 
 
 def _itemsize(dtype: str) -> int:
-    from forkrl.weights import DTYPES
-
     if dtype not in DTYPES:
         raise InvalidArgument(f"checkpoint tensor dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[dtype].itemsize

@@ -21,8 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from forkrl.rollout.v1 import rollout_pb2 as pb
-from forkrl.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from forkrl.wire.rollout.v1 import rollout_pb2 as pb
+from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from rollout_service.config import RolloutSettings
 from rollout_service.engine import (
     ChecksumMismatch,

@@ -13,7 +13,7 @@ bash scripts/setup.sh
 VENV=${FORKRL_VENV:-.venv}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 [ -t 1 ] || export TQDM_MININTERVAL=${TQDM_MININTERVAL:-10}  # CI logs: a progress line every 10 s, not 10 a second
-"$VENV/bin/python" -m forkrl.tiny build --out "${FORKRL_MODEL_DIR:-models/tiny}"
+"$VENV/bin/python" -m forkrl.models.tiny build --out "${FORKRL_MODEL_DIR:-models/tiny}"
 
 "$VENV/bin/ruff" check --quiet . || { echo "[test] ruff found problems (see above)"; exit 1; }
 

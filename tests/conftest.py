@@ -11,6 +11,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from forkrl.tiny import build_tiny_model, default_model_dir
+    from forkrl.models.tiny import build_tiny_model, default_model_dir
 
     return build_tiny_model(default_model_dir(), progress=False)

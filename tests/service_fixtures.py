@@ -11,7 +11,7 @@ process group, waits until the standard health service says SERVING, and on exit
 service (graceful stop) and then SIGKILL to its process group, so no engine process outlives the tests.
 
 `build_random_llama` writes a small random Llama checkpoint with a char-level tokenizer: the fallback
-model when the embedded tiny model (`forkrl.tiny`) is not available, and proof that any local HF
+model when the embedded tiny model (`forkrl.models.tiny`) is not available, and proof that any local HF
 checkpoint directory can be served.
 """
 

@@ -1,7 +1,7 @@
 """The training loop of one run: rollouts → rewards → advantages → mask + loss → AdamW → weight push.
 
 Runs in the run's own thread (runs.py). Every step emits one metrics item (WatchRun), one line of
-`metrics.jsonl` and TensorBoard scalars; checkpoints are written atomically (forkrl/checkpoint.py).
+`metrics.jsonl` and TensorBoard scalars; checkpoints are written atomically (forkrl/weights/checkpoint.py).
 
 Determinism: the data order is a seeded permutation walked by a cursor, the sampling seed of step s is
 derived from (seed, s), and the rollout service derives each sample's seed from it. With the same weights
@@ -10,7 +10,6 @@ served, a resumed run therefore sees the same trajectories as an uninterrupted o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -22,26 +21,29 @@ from typing import Any
 
 import torch
 
-from forkrl.advantages import compute_advantages, dynamic_sampling_keep, soft_overlong_penalty
-from forkrl.checkpoint import checkpoint_name, latest_checkpoint, load_optimizer_state, read_state, save_checkpoint
-from forkrl.data import load_problems
-from forkrl.losses import LossConfig
-from forkrl.rewards import get_reward_fn
-from forkrl.rollout_client import RolloutClient
-from forkrl.run_config import RunConfig
-from forkrl.step import build_batch, train_step
-from forkrl.tasks import DEFAULT_TASK, Problem, get_task
-from forkrl.tiny import default_model_dir
+from forkrl.clients.rollout import RolloutClient
+from forkrl.data.datasets import load_problems
+from forkrl.data.rewards import get_reward_fn
+from forkrl.data.tasks import DEFAULT_TASK, Problem, get_task
+from forkrl.files import atomic_write
+from forkrl.models.tiny import default_model_dir
+from forkrl.rl.advantages import compute_advantages, dynamic_sampling_keep, soft_overlong_penalty
+from forkrl.rl.losses import LossConfig
+from forkrl.rl.step import build_batch, train_step
+from forkrl.seeds import run_seed
+from forkrl.training.config import RunConfig
+from forkrl.weights.checkpoint import (
+    checkpoint_name,
+    latest_checkpoint,
+    load_optimizer_state,
+    read_state,
+    save_checkpoint,
+)
 from trainer_service.config import TrainerSettings
 from trainer_service.runs import Run
 
 log = logging.getLogger("trainer_service")
 TRAIN_POOL = 20000  # built-in task: size of the train pool the data order walks through
-
-
-def _seed_for(*parts: Any) -> int:
-    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 2  # fits int63
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
@@ -113,7 +115,7 @@ class DataOrder:
     def _perm(self, epoch: int) -> list[int]:
         if epoch != self._epoch:
             self._order = list(range(len(self.problems)))
-            random.Random(_seed_for("data", self.seed, epoch)).shuffle(self._order)
+            random.Random(run_seed("data", self.seed, epoch)).shuffle(self._order)
             self._epoch = epoch
         return self._order
 
@@ -191,13 +193,12 @@ class Rollouts:
         state = {k: v.detach() for k, v in model.state_dict().items()}
         t0 = time.perf_counter()
         if mode == "path":
-            from safetensors.torch import save_file
+            from safetensors.torch import save
 
             sync = run_dir / "weights_sync"
             sync.mkdir(parents=True, exist_ok=True)
-            tmp = sync / ".model.safetensors.tmp"
-            save_file({k: v.contiguous() for k, v in _dedupe(state).items()}, str(tmp))
-            tmp.rename(sync / "model.safetensors")
+            blob = save({k: v.contiguous() for k, v in _dedupe(state).items()})
+            atomic_write(sync / "model.safetensors", blob)
             versions = list(self.pool.map(lambda c: c.load_weights(str(sync), version), self.clients))
         else:
             versions = list(self.pool.map(lambda c: c.update_weights(state, version), self.clients))
@@ -238,7 +239,7 @@ def evaluate(rollouts: Rollouts, reward_fn, problems: list[Problem], cfg: RunCon
     out = {}
     for name, temp, n in (("eval_accuracy", cfg.temperature, samples), ("eval_greedy_accuracy", 0.0, 1)):
         groups = rollouts.generate(prompts, n=n, temperature=temp, max_new_tokens=cfg.max_new_tokens,
-                                   seed=_seed_for("eval", cfg.seed))
+                                   seed=run_seed("eval", cfg.seed))
         flat = [t for g in groups for t in g]
         probs = [p for p, g in zip(problems, groups, strict=True) for _ in g]
         rewards = reward_fn([t.completion_text for t in flat], probs).rewards
@@ -263,7 +264,7 @@ def run_training(run: Run, settings: TrainerSettings) -> None:
         start_step, cursor = int(state["step"]), int(state["data_cursor"])
         load_dir = resume_from
     run.start_step = run.step = start_step
-    torch.manual_seed(_seed_for("torch", cfg.seed))
+    torch.manual_seed(run_seed("torch", cfg.seed))
 
     tokenizer = AutoTokenizer.from_pretrained(load_dir)
     model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch.float32, use_safetensors=True)
@@ -336,7 +337,7 @@ def run_training(run: Run, settings: TrainerSettings) -> None:
                 batch_probs = data.take(cfg.prompts_per_step)
                 g = rollouts.generate([p.prompt for p in batch_probs], n=cfg.group_size,
                                       temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                      seed=_seed_for("gen", cfg.seed, step, rounds))
+                                      seed=run_seed("gen", cfg.seed, step, rounds))
                 ts = time.perf_counter()
                 r = _score(reward_fn, g, batch_probs, cfg)
                 t_score += time.perf_counter() - ts

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forkrl.run_config import RunConfig
+from forkrl.training.config import RunConfig
 
 log = logging.getLogger("trainer_service")
 

@@ -32,7 +32,6 @@ hook goes on the base layer. For a tied lm_head this is the gradient through the
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from collections.abc import Sequence
@@ -40,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+
+from forkrl.seeds import seeded_generator
 
 __all__ = [
     "MODULE_PATHS",
@@ -100,12 +101,6 @@ class ProbeTarget:
         return [pos[r] for r in row_set.rows]
 
 
-def _seeded_generator(seed: int, *parts: str) -> torch.Generator:
-    # a stable per-(target, spec) stream: different targets get different random rows, reproducibly
-    digest = hashlib.sha256(("\x00".join([str(seed), *parts])).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") & ((1 << 63) - 1))
-
-
 def parse_row_spec(
     spec: str,
     out_features: int,
@@ -139,7 +134,7 @@ def parse_row_spec(
         return tuple(range(first, first + block))
     if spec.startswith("random:"):
         n = int(spec.split(":", 1)[1])
-        gen = _seeded_generator(seed, salt, spec)
+        gen = seeded_generator(seed, salt, spec)
         if n_blocks is not None:
             n_heads = min(n_blocks, math.ceil(n / block))
             heads = sorted(torch.randperm(n_blocks, generator=gen)[:n_heads].tolist())

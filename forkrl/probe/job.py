@@ -20,15 +20,12 @@ manifest.json, plot_<checkpoint>.png.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
 import platform
 import re
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +34,7 @@ from typing import Any
 
 import torch
 
+from forkrl.files import atomic_file, atomic_write, atomic_write_json, sha256_file
 from forkrl.probe.gradients import METHODS, ProbeTarget, build_targets, exact_row_grads
 from forkrl.probe.metrics import cell_metrics, drop_tiny
 from forkrl.probe.sampling import (
@@ -50,6 +48,7 @@ from forkrl.probe.sampling import (
     select_positions,
     token_stats,
 )
+from forkrl.weights.safetensors import checkpoint_files
 
 __all__ = [
     "CheckpointNotFound",
@@ -66,7 +65,6 @@ __all__ = [
 ]
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
-WEIGHT_EXCLUDE = {"optimizer.safetensors"}  # trainer state next to the weights, not part of the model
 ProgressFn = Callable[[int, int, str], None]
 
 
@@ -173,16 +171,7 @@ def resolve_checkpoints(params: ProbeParams) -> list[CheckpointRef]:
 
 def weight_files(path: Path) -> list[Path]:
     """The model's safetensors weight files (plus a shard index, if any); never the optimizer state."""
-    files = sorted(p for p in path.glob("*.safetensors") if p.name not in WEIGHT_EXCLUDE)
-    return files + sorted(path.glob("*.safetensors.index.json"))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return checkpoint_files(path) + sorted(path.glob("*.safetensors.index.json"))
 
 
 def load_checkpoint(path: Path, dtype: torch.dtype, device: torch.device, tokenizer_fallback: Path | None = None):
@@ -227,7 +216,7 @@ def _eos_and_pad(model, tok) -> tuple[list[int], int]:
 def resolve_task(params: ProbeParams) -> tuple[str, str]:
     """(task, dataset) as training resolves them: a dataset wins; neither -> $RL_DATASET_PATH, else the
     default task."""
-    from forkrl import tasks
+    from forkrl.data import tasks
 
     if params.task and params.dataset:
         raise ValueError("task and dataset are mutually exclusive: give one")
@@ -239,8 +228,8 @@ def resolve_task(params: ProbeParams) -> tuple[str, str]:
 
 def load_prompts(params: ProbeParams) -> tuple[list, int]:
     """The job's problems and the default max_new_tokens (the task's, or 1024 for a dataset)."""
-    from forkrl import tasks
-    from forkrl.data import load_problems
+    from forkrl.data import tasks
+    from forkrl.data.datasets import load_problems
 
     task, dataset = resolve_task(params)
     default_new = tasks.get_task(task).max_new_tokens if task else 1024
@@ -250,7 +239,7 @@ def load_prompts(params: ProbeParams) -> tuple[list, int]:
 
 def validate_params(p: ProbeParams) -> None:
     """Semantic checks that need no model; raises ValueError with a plain message."""
-    from forkrl import tasks
+    from forkrl.data import tasks
 
     task, dataset = resolve_task(p)
     if task:
@@ -260,7 +249,7 @@ def validate_params(p: ProbeParams) -> None:
     if p.split not in tasks.SPLITS:
         raise ValueError(f"split must be one of {tasks.SPLITS}, got {p.split!r}")
     if p.reward:
-        from forkrl.rewards import get_reward_fn
+        from forkrl.data.rewards import get_reward_fn
 
         get_reward_fn(p.reward)
     if p.dtype not in ("float32", "float64", "bfloat16", "float16"):
@@ -278,21 +267,6 @@ def validate_params(p: ProbeParams) -> None:
 # ------------------------------------------------------------------------------------------------- outputs
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None], mode: str = "w") -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def _clean(x: Any) -> Any:
     """NaN/inf -> None: the JSON stays strict and a NaN can never hide in a summary."""
     if isinstance(x, float):
@@ -307,7 +281,7 @@ def _clean(x: Any) -> Any:
 
 
 def write_json(path: Path, data: Any) -> None:
-    _atomic_write(path, lambda f: json.dump(_clean(data), f, indent=2, allow_nan=False))
+    atomic_write_json(path, _clean(data), allow_nan=False)
 
 
 def plot_checkpoint(path: Path, label: str, results: list[dict], n_bins: int) -> None:
@@ -333,7 +307,7 @@ def plot_checkpoint(path: Path, label: str, results: list[dict], n_bins: int) ->
         ax.set_title(f"{target}\n[{rs}]", fontsize=8)
         ax.legend(fontsize=7)
     fig.suptitle(f"checkpoint {label}", fontsize=9)
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=90), mode="wb")
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=90), binary=True)
 
 
 def _versions() -> dict[str, str]:
@@ -396,27 +370,17 @@ def run_probe(
     prog.advance(0, "starting")
 
     infos, results, manifests, methods = [], [], [], set()
-    fd, records_tmp = tempfile.mkstemp(dir=out, prefix=".token_probe_records.jsonl.", suffix=".tmp")
     n_records = 0
-    try:
-        with os.fdopen(fd, "w") as rec_f:
-            for ci, ref in enumerate(refs):
-                probe = _CheckpointProbe(ci, ref, params, problems, max_new, device, prog)
-                info, cres, recs, man = probe.run(out)
-                infos.append(info)
-                results.extend(cres)
-                manifests.append(man)
-                methods |= probe.methods
-                rec_f.writelines(json.dumps(_clean(r), allow_nan=False) + "\n" for r in recs)
-                n_records += len(recs)
-            rec_f.flush()
-            os.fsync(rec_f.fileno())
-        os.chmod(records_tmp, 0o644)
-        os.replace(records_tmp, out / "token_probe_records.jsonl")
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(records_tmp)
-        raise
+    with atomic_file(out / "token_probe_records.jsonl") as rec_f:
+        for ci, ref in enumerate(refs):
+            probe = _CheckpointProbe(ci, ref, params, problems, max_new, device, prog)
+            info, cres, recs, man = probe.run(out)
+            infos.append(info)
+            results.extend(cres)
+            manifests.append(man)
+            methods |= probe.methods
+            rec_f.writelines(json.dumps(_clean(r), allow_nan=False) + "\n" for r in recs)
+            n_records += len(recs)
 
     task, dataset = resolve_task(params)
     summary = {
@@ -473,7 +437,7 @@ class _CheckpointProbe:
     def run(self, out: Path):
         p, ref, prog = self.p, self.ref, self.prog
         t0 = time.perf_counter()
-        hashes = [{"file": f.name, "sha256": _sha256(f), "bytes": f.stat().st_size} for f in weight_files(ref.path)]
+        hashes = [{"file": f.name, "sha256": sha256_file(f), "bytes": f.stat().st_size} for f in weight_files(ref.path)]
         model, tok = load_checkpoint(ref.path, getattr(torch, p.dtype), self.device, Path(p.model) if p.model else None)
         eos, pad = _eos_and_pad(model, tok)
         self._timed("load", t0)

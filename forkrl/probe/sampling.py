@@ -19,14 +19,14 @@ set bin = floor(K * rank / N). Near-zero entropies tie a lot, and quantile edges
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from forkrl.entropy import token_logprobs_and_entropy
+from forkrl.rl.entropy import token_logprobs_and_entropy
+from forkrl.seeds import seeded_generator
 
 __all__ = [
     "TokenStats",
@@ -176,18 +176,18 @@ def grade(trajs: Sequence[Trajectory], tokenizer, problems: Sequence, reward: st
     probs = [problems[t.prompt_index] for t in trajs]
     name = resolve_reward_name(reward, dataset)
     try:
-        from forkrl.rewards import get_reward_fn
+        from forkrl.data.rewards import get_reward_fn
     except ImportError:  # the core's reward module is not there yet: built-in exact match
         get_reward_fn = None
     if get_reward_fn is not None:
         result = get_reward_fn(name)(texts, probs)
         rewards = list(getattr(result, "rewards", result))
     elif name == "exact_match":
-        from forkrl.tasks import extract_answer
+        from forkrl.data.tasks import extract_answer
 
         rewards = [float(extract_answer(x) == p.answer) for x, p in zip(texts, probs, strict=True)]
     else:
-        raise ValueError(f"reward {name!r} needs forkrl.rewards, which is not available")
+        raise ValueError(f"reward {name!r} needs forkrl.data.rewards, which is not available")
     for t, r in zip(trajs, rewards, strict=True):
         t.reward = None if r is None else float(r)
         t.correct = t.reward is not None and t.reward > 0
@@ -281,12 +281,6 @@ def token_stats(
             results.append(TokenStats(ent[off : off + n], lp[off : off + n], h1))
             off += n
     return results
-
-
-def seeded_generator(seed: int, *parts: object) -> torch.Generator:
-    """A CPU generator for (seed, parts): independent, reproducible streams per purpose and checkpoint."""
-    digest = hashlib.sha256("\x00".join(map(str, (seed, *parts))).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") & ((1 << 63) - 1))
 
 
 def rank_bins(entropy: Tensor, n_bins: int, gen: torch.Generator) -> Tensor:

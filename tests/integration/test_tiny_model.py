@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from forkrl.tasks import extract_answer, make_split
-from forkrl.tiny import (
+from forkrl.data.tasks import extract_answer, make_split
+from forkrl.models.tiny import (
     BUILD_RECORD,
     MODEL_FILE,
     BuildConfig,
@@ -230,7 +230,7 @@ def test_build_is_deterministic_and_cached(tmp_path):
 
 
 def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
-    import forkrl.tiny as tiny
+    import forkrl.models.tiny as tiny
 
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
@@ -262,10 +262,10 @@ def test_default_model_dir(monkeypatch, tmp_path):
 
 
 def test_cli_help_does_not_import_torch():
-    code = "import sys, forkrl.tiny; assert 'torch' not in sys.modules"
+    code = "import sys, forkrl.models.tiny; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
     out = subprocess.run(
-        [sys.executable, "-m", "forkrl.tiny", "build", "--help"],
+        [sys.executable, "-m", "forkrl.models.tiny", "build", "--help"],
         cwd=REPO,
         check=True,
         capture_output=True,
@@ -278,7 +278,7 @@ def test_cli_help_does_not_import_torch():
 def test_cli_build_reuses_the_cached_model(tiny_model_dir):
     before = (tiny_model_dir / MODEL_FILE).stat().st_mtime_ns
     out = subprocess.run(
-        [sys.executable, "-m", "forkrl.tiny", "build", "--out", str(tiny_model_dir)],
+        [sys.executable, "-m", "forkrl.models.tiny", "build", "--out", str(tiny_model_dir)],
         cwd=REPO,
         check=True,
         capture_output=True,

@@ -1,6 +1,6 @@
 """The rollout service end to end: `python -m rollout_service` (real vLLM engine) over real gRPC.
 
-One service per module (engine start ~15 s). The model is the embedded tiny model when `forkrl.tiny`
+One service per module (engine start ~15 s). The model is the embedded tiny model when `forkrl.models.tiny`
 exists, else (or with FORKRL_TEST_RANDOM_MODEL=1) a random Llama built here: any local HF checkpoint
 directory must work. References are transformers float32 forward passes with teacher forcing.
 """
@@ -20,10 +20,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 
-from forkrl.rollout.v1 import rollout_pb2 as pb
-from forkrl.rollout.v1 import rollout_pb2_grpc as pb_grpc
-from forkrl.rollout_client import RolloutClient
-from forkrl.weights import pack_state_dict
+from forkrl.clients.rollout import RolloutClient
+from forkrl.weights.wire import pack_state_dict
+from forkrl.wire.rollout.v1 import rollout_pb2 as pb
+from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from tests.service_fixtures import ServiceAddress, build_random_llama, start_rollout_service
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ PROMPTS: list[str | list[int]] = ["12+34+5=", "hello world"]
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     if os.environ.get("FORKRL_TEST_RANDOM_MODEL") != "1":
         try:
-            import forkrl.tiny  # noqa: F401
+            import forkrl.models.tiny  # noqa: F401
 
             return request.getfixturevalue("tiny_model_dir")
         except (ImportError, pytest.FixtureLookupError):

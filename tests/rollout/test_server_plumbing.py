@@ -18,12 +18,14 @@ import torch
 from grpc_health.v1 import health_pb2
 from safetensors.torch import load_file, save_file
 
-from forkrl.rollout.v1 import rollout_pb2 as pb
-from forkrl.rollout.v1 import rollout_pb2_grpc as pb_grpc
-from forkrl.rollout_client import RolloutClient
-from forkrl.weights import checkpoint_files, pack_state_dict
+from forkrl.clients.rollout import RolloutClient
+from forkrl.seeds import sample_seed
+from forkrl.weights.safetensors import checkpoint_files
+from forkrl.weights.wire import pack_state_dict
+from forkrl.wire.rollout.v1 import rollout_pb2 as pb
+from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from rollout_service.config import RolloutSettings
-from rollout_service.engine import Completion, SamplingSpec, sample_seed
+from rollout_service.engine import Completion, SamplingSpec
 from rollout_service.server import build_server
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

@@ -18,10 +18,10 @@ import grpc
 import pytest
 import torch
 
-from forkrl.checkpoint import latest_checkpoint, read_state
-from forkrl.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from forkrl.run_config import RunConfig, to_proto
-from forkrl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from forkrl.training.config import RunConfig, to_proto
+from forkrl.weights.checkpoint import latest_checkpoint, read_state
+from forkrl.wire.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.service_fixtures import REPO_ROOT, start_rollout_service
 from tests.trainer.conftest import start_trainer_service
 

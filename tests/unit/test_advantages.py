@@ -1,4 +1,4 @@
-"""forkrl.advantages: group estimators and DAPO reward helpers (algorithms.md §3.1–§3.4)."""
+"""forkrl.rl.advantages: group estimators and DAPO reward helpers (algorithms.md §3.1–§3.4)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from forkrl.advantages import (
+from forkrl.rl.advantages import (
     DEFAULT_ESTIMATOR,
     compute_advantages,
     dr_grpo_advantages,
@@ -17,7 +17,7 @@ from forkrl.advantages import (
     rloo_advantages,
     soft_overlong_penalty,
 )
-from forkrl.losses import LOSS_NAMES
+from forkrl.rl.losses import LOSS_NAMES
 
 R = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
 

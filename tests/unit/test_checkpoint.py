@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from forkrl import checkpoint as ck
+from forkrl.weights import checkpoint as ck
 
 
 def _model() -> LlamaForCausalLM:

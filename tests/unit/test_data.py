@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from forkrl.data import DATASET_ENV, load_jsonl, load_problems, normalize_answer
-from forkrl.tasks import make_split, split_of
+from forkrl.data.datasets import DATASET_ENV, load_jsonl, load_problems, normalize_answer
+from forkrl.data.tasks import make_split, split_of
 
 
 def write_jsonl(path, records):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forkrl.tasks import make_split
+from forkrl.data.tasks import make_split
 from trainer_service.loop import DataOrder
 
 

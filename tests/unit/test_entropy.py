@@ -1,4 +1,4 @@
-"""forkrl.entropy: fp32 logp + entropy in one chunked pass (algorithms.md §1)."""
+"""forkrl.rl.entropy: fp32 logp + entropy in one chunked pass (algorithms.md §1)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from forkrl.entropy import response_logprobs_and_entropy, shift_for_causal_lm, token_logprobs_and_entropy
+from forkrl.rl.entropy import response_logprobs_and_entropy, shift_for_causal_lm, token_logprobs_and_entropy
 
 
 def _naive_f64(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):

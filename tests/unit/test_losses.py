@@ -1,4 +1,4 @@
-"""forkrl.losses: the seven losses, their aggregators, the mask and step-global denominators (§0, §3)."""
+"""forkrl.rl.losses: the seven losses, their aggregators, the mask and step-global denominators (§0, §3)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from forkrl.losses import AGGREGATORS, LOSS_NAMES, LossConfig, StepDenominator, policy_loss, step_denominator
-from forkrl.mask import forking_token_mask, masks_for_step
+from forkrl.rl.losses import AGGREGATORS, LOSS_NAMES, LossConfig, StepDenominator, policy_loss, step_denominator
+from forkrl.rl.mask import forking_token_mask, masks_for_step
 
 F64 = torch.float64
 

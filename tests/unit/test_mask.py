@@ -1,11 +1,11 @@
-"""forkrl.mask: exact top-k forking-token mask (algorithms.md §2.3, §6 P1–P3)."""
+"""forkrl.rl.mask: exact top-k forking-token mask (algorithms.md §2.3, §6 P1–P3)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from forkrl.mask import forking_token_mask, kept_count, kept_denominator, masks_for_step
+from forkrl.rl.mask import forking_token_mask, kept_count, kept_denominator, masks_for_step
 
 
 @pytest.mark.parametrize(

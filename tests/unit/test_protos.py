@@ -20,8 +20,8 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
 
 
 def test_contract_has_the_rpcs() -> None:
-    from forkrl.rollout.v1 import rollout_pb2
-    from forkrl.trainer.v1 import trainer_pb2
+    from forkrl.wire.rollout.v1 import rollout_pb2
+    from forkrl.wire.trainer.v1 import trainer_pb2
 
     rollout = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
     assert {m.name for m in rollout.methods} == {"Generate", "UpdateWeights", "LoadWeights", "GetInfo"}

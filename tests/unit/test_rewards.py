@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from forkrl.rewards import (
+from forkrl.data.rewards import (
     MathVerifyGrader,
     RewardResult,
     exact_match,
@@ -13,7 +13,7 @@ from forkrl.rewards import (
     math_verify_reward,
     remove_boxed,
 )
-from forkrl.tasks import Problem
+from forkrl.data.tasks import Problem
 
 
 def problems(*answers):
@@ -115,10 +115,10 @@ def test_hung_worker_times_out_scores_zero_and_the_pool_is_replaced():
 def test_get_reward_fn():
     assert get_reward_fn("exact_match") is exact_match
     assert get_reward_fn("math_verify") is math_verify_reward
-    assert get_reward_fn("forkrl.rewards:exact_match") is exact_match
+    assert get_reward_fn("forkrl.data.rewards:exact_match") is exact_match
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         get_reward_fn("nope")
     with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
         get_reward_fn("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="has no callable 'missing'"):
-        get_reward_fn("forkrl.rewards:missing")
+        get_reward_fn("forkrl.data.rewards:missing")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from forkrl.run_config import RunConfig, describe_validation_error, from_proto, to_proto
+from forkrl.training.config import RunConfig, describe_validation_error, from_proto, to_proto
 
 
 def _msg(**kw) -> str:

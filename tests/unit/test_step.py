@@ -1,4 +1,4 @@
-"""forkrl.step: batch layout, logp alignment, gradient accumulation and the mask through a real model."""
+"""forkrl.rl.step: batch layout, logp alignment, gradient accumulation and the mask through a real model."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from forkrl.losses import LossConfig
-from forkrl.step import _forward, build_batch, train_step
+from forkrl.rl.losses import LossConfig
+from forkrl.rl.step import _forward, build_batch, train_step
 
 VOCAB = 23
 

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from forkrl.tasks import DEFAULT_TASK, TASKS, Problem, extract_answer, get_task, make_split, split_of
+from forkrl.data.tasks import DEFAULT_TASK, TASKS, Problem, extract_answer, get_task, make_split, split_of
 
 
 def test_default_task_is_sum3():

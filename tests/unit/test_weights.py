@@ -1,4 +1,4 @@
-"""forkrl.weights: state dict <-> (metas, payload, sha256) and the safetensors layout of the payload."""
+"""forkrl.weights.wire: state dict <-> (metas, payload, sha256) and the safetensors layout of the payload."""
 
 from __future__ import annotations
 
@@ -10,14 +10,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 
-from forkrl.weights import (
-    WeightsError,
-    pack_state_dict,
-    read_checkpoint_specs,
-    safetensors_prefix,
-    unpack,
-    validate_metas,
-)
+from forkrl.weights.safetensors import WeightsError, read_checkpoint_specs, safetensors_prefix
+from forkrl.weights.wire import pack_state_dict, unpack, validate_metas
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -147,7 +141,7 @@ def test_read_checkpoint_specs(tmp_path):
 def test_a_staged_payload_reads_back_in_the_worker(tmp_path):
     """The service's staging path end to end, without vLLM: prefix + pushed chunks = the file the
     worker extension memory-maps and feeds to the engine's reload."""
-    from rollout_service.worker_ext import iter_safetensors
+    from forkrl.weights.safetensors import iter_safetensors
 
     state = _state()
     metas, _, _, chunks = pack_state_dict(state, chunk_bytes=40)

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from forkrl.mask import MASK_SCOPES, check_top_frac, kept_denominator, mask_is_on
+from forkrl.rl.mask import MASK_SCOPES, check_top_frac, kept_denominator, mask_is_on
 
 __all__ = [
     "AGGREGATORS",

@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from forkrl.rollout.v1 import rollout_pb2 as pb
-from forkrl.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from forkrl.wire.rollout.v1 import rollout_pb2 as pb
+from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 _MAX_MESSAGE = 64 << 20
@@ -143,7 +143,7 @@ class RolloutClient:
     ) -> int:
         """Push a state dict (chunked, checksummed); returns the service's new version. The full
         response (receive/apply/drain times) is kept in `last_weights_response`."""
-        from forkrl.weights import pack_state_dict  # torch: imported only by callers that push weights
+        from forkrl.weights.wire import pack_state_dict  # torch: imported only by callers that push weights
 
         def call(left: float) -> pb.UpdateWeightsResponse:
             packed = pack_state_dict(state_dict, chunk_bytes)

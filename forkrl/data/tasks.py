@@ -16,7 +16,7 @@ Splits are disjoint by construction: a problem belongs to `eval` when a hash of 
 fixed 10% bucket, to `train` otherwise, whatever the seed. Generation is deterministic for a given
 (task, split, n, seed); problems are drawn i.i.d., so a prompt may repeat within a split.
 
-    from forkrl.tasks import make_split, extract_answer
+    from forkrl.data.tasks import make_split, extract_answer
     problems = make_split("sum3", "eval", 256, seed=0)
 """
 

@@ -8,14 +8,14 @@ Layout (what the probe and `--resume` read):
         trainer_state.json                            step, data cursor, optimizer scalars, RNG state, config
     <run_dir>/checkpoints/final/
 
-A checkpoint is written into a hidden temp dir next to its final place and renamed when complete, so a crash
-leaves either the whole checkpoint or an ignorable `.tmp-*` dir, never a half checkpoint that looks whole.
+A checkpoint is written into a hidden temp dir next to its final place and renamed when complete
+(`forkrl.files.atomic_dir`), so a crash leaves either the whole checkpoint or an ignorable `.tmp-*` dir,
+never a half checkpoint that looks whole.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from forkrl.files import atomic_dir, atomic_write_json
 
 STATE_FILE = "trainer_state.json"
 # In a subdirectory: engines load every top-level *.safetensors of a checkpoint dir as model weights.
@@ -49,13 +51,11 @@ def save_checkpoint(
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / name
     # Debris of a writer that died mid-save (kill -9): never complete, safe to drop. One writer per run dir.
     for stale in [*root.glob(".tmp-*"), *root.glob(".old-*")]:
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-{name}-{os.getpid()}-{time.monotonic_ns()}"
-    tmp.mkdir()
-    try:
+    final = root / name
+    with atomic_dir(final) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -66,21 +66,8 @@ def save_checkpoint(
             extra_tensors.update(tensors)
         (tmp / OPTIM_FILE).parent.mkdir()
         save_file(extra_tensors, str(tmp / OPTIM_FILE))
-        payload = dict(state, optimizer=optim_meta, saved_at=time.time())
         # trainer_state.json is written last: its presence marks a complete checkpoint.
-        _write_json(tmp / STATE_FILE, payload)
-        _fsync_dir(tmp)
-        if final.exists():
-            trash = root / f".old-{name}-{time.monotonic_ns()}"
-            final.rename(trash)
-            tmp.rename(final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        atomic_write_json(tmp / STATE_FILE, dict(state, optimizer=optim_meta, saved_at=time.time()), sort_keys=True)
     return final
 
 
@@ -153,18 +140,3 @@ def _optimizer_to_tensors(
             tensors[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().contiguous().clone()
             steps[name] = float(st["step"])
     return tensors, {"steps": steps}
-
-
-def _write_json(path: Path, data: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

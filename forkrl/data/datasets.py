@@ -11,7 +11,7 @@ Splits: a JSONL file is split like the built-in tasks, by a hash of the prompt (
 `eval`), so train and eval never share a prompt. To use separate files instead, put `{split}` in the
 path (`data/{split}.jsonl`); each file is then used whole for its split.
 
-    from forkrl.data import load_problems
+    from forkrl.data.datasets import load_problems
     problems = load_problems(task=None, dataset="gsm8k.jsonl", split="train", n=1024, seed=0)
 """
 
@@ -24,8 +24,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from forkrl.rewards import last_boxed_only_string, remove_boxed
-from forkrl.tasks import DEFAULT_TASK, SPLITS, Problem, make_split, split_of
+from forkrl.data.rewards import last_boxed_only_string, remove_boxed
+from forkrl.data.tasks import DEFAULT_TASK, SPLITS, Problem, make_split, split_of
 
 DATASET_ENV = "RL_DATASET_PATH"
 PROMPT_FIELDS = ("prompt", "question", "problem")

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from forkrl.rollout.v1 import rollout_pb2 as forkrl_dot_rollout_dot_v1_dot_rollout__pb2
+from forkrl.wire.rollout.v1 import rollout_pb2 as forkrl_dot_rollout_dot_v1_dot_rollout__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,6 +1,6 @@
 """Build the embedded default model: a tiny Llama with a character tokenizer, warm-started on `sum3`.
 
-    python -m forkrl.tiny build --out models/tiny [--seed 0] [--force]
+    python -m forkrl.models.tiny build --out models/tiny [--seed 0] [--force]
 
 The result is a plain HF directory (config, model.safetensors, tokenizer, generation_config) that
 `AutoModelForCausalLM`, `AutoTokenizer` and `vllm.LLM(model=DIR)` load unchanged. Supervised training
@@ -23,9 +23,7 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -33,12 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from forkrl.files import atomic_dir, sha256_file
+from forkrl.runtime import REPO_ROOT
+
 if TYPE_CHECKING:  # heavy imports stay out of `--help`
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from forkrl.rewards import RewardFn
-    from forkrl.tasks import Problem
+    from forkrl.data.rewards import RewardFn
+    from forkrl.data.tasks import Problem
 
 BUILDER_VERSION = 2  # bump when the code changes what a build produces
 BUILD_RECORD = "forkrl_build.json"
@@ -87,7 +88,7 @@ class BuildConfig:
 def default_model_dir() -> Path:
     """$FORKRL_MODEL_DIR, or <repo>/models/tiny."""
     env = os.environ.get(MODEL_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "models" / "tiny"
+    return Path(env) if env else REPO_ROOT / "models" / "tiny"
 
 
 def build_tokenizer(model_max_length: int = 256) -> PreTrainedTokenizerBase:
@@ -111,14 +112,6 @@ def build_tokenizer(model_max_length: int = 256) -> PreTrainedTokenizerBase:
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
     )
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_build_record(model_dir: str | os.PathLike) -> dict | None:
@@ -246,8 +239,8 @@ def evaluate_accuracy(
     """Accuracy of sampled (temperature > 0) or greedy (temperature 0) completions under `reward_fn`
     (default `exact_match`; a None reward counts as wrong). `max_new_tokens` defaults to the built-in
     task's limit, or 32 for other problems. Pass a tokenizer with an in-memory model."""
-    from forkrl.rewards import exact_match
-    from forkrl.tasks import TASKS
+    from forkrl.data.rewards import exact_match
+    from forkrl.data.tasks import TASKS
 
     if isinstance(model_or_dir, (str, os.PathLike)):
         model, loaded_tokenizer = load_model_and_tokenizer(model_or_dir)
@@ -340,7 +333,7 @@ def _train(cfg: BuildConfig, seed: int, out_dir: Path, progress: bool) -> dict[s
     from tqdm import tqdm
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from forkrl.tasks import get_task, iter_problems, make_split
+    from forkrl.data.tasks import get_task, iter_problems, make_split
 
     get_task(cfg.task)  # unknown task: fail before any work
     tokenizer = build_tokenizer(cfg.max_position_embeddings)
@@ -387,7 +380,7 @@ def _train(cfg: BuildConfig, seed: int, out_dir: Path, progress: bool) -> dict[s
     bar.close()
     if stop_acc < cfg.target_accuracy:
         print(
-            f"forkrl.tiny: warning: sampled accuracy {stop_acc:.3f} after {step} steps is below the target "
+            f"forkrl.models.tiny: warning: sampled accuracy {stop_acc:.3f} after {step} steps is below the target "
             f"{cfg.target_accuracy}; keeping this model",
             file=sys.stderr,
         )
@@ -454,8 +447,7 @@ def build_tiny_model(
         import transformers
 
         t0 = time.monotonic()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-", dir=out_dir.parent))
-        try:
+        with atomic_dir(out_dir) as tmp:
             with _torch_settings(cfg.threads):
                 record = _train(cfg, seed, tmp, progress)
             record = {
@@ -470,24 +462,13 @@ def build_tiny_model(
                 "sha256": sha256_file(tmp / MODEL_FILE),
             }
             (tmp / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-            tmp.chmod(0o755)  # mkdtemp makes it private; the build is meant to be shared (services, docker)
             for path in tmp.iterdir():
-                path.chmod(0o644)
-            if out_dir.exists():
-                # two renames: a directory cannot replace a non-empty one in one step
-                old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-                os.replace(out_dir, old / out_dir.name)
-                os.replace(tmp, out_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, out_dir)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+                path.chmod(0o644)  # the build is meant to be shared (services, docker)
     return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m forkrl.tiny", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m forkrl.models.tiny", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="build (or reuse) the tiny model")
     build.add_argument(

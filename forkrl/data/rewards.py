@@ -5,7 +5,7 @@ The interface, which your own reward must follow to be used with `--reward my_pk
     def reward_fn(completions: list[str], problems: list[Problem]) -> RewardResult
 
 - `completions[i]` is the generated text only (no prompt, no EOS) and is graded against `problems[i]`
-  (a `forkrl.tasks.Problem`; the gold answer is `problems[i].answer`). Both lists have the same length;
+  (a `forkrl.data.tasks.Problem`; the gold answer is `problems[i].answer`). Both lists have the same length;
   a prompt sampled G times appears G times.
 - `RewardResult.rewards[i]` is a float, or None to skip the sample (e.g. an ungradable gold answer): the
   trainer leaves skipped samples out of advantages and the loss.
@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from forkrl.tasks import Problem, extract_answer
+from forkrl.data.tasks import Problem, extract_answer
 
 DEFAULT_TIMEOUT_S = 15.0  # math-verify's own alarms are 5 s for parsing and 5 s for verifying
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from forkrl.entropy import response_logprobs_and_entropy, shift_for_causal_lm
-from forkrl.losses import LossConfig, policy_loss, step_denominator
-from forkrl.mask import MaskResult, forking_token_mask, masks_for_step
+from forkrl.rl.entropy import response_logprobs_and_entropy, shift_for_causal_lm
+from forkrl.rl.losses import LossConfig, policy_loss, step_denominator
+from forkrl.rl.mask import MaskResult, forking_token_mask, masks_for_step
 
 
 @dataclass

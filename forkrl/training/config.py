@@ -153,7 +153,7 @@ _PRESENCE = ("eval_prompts", "adam_beta1", "adam_beta2")
 
 
 def to_proto(cfg: RunConfig) -> Any:
-    from forkrl.trainer.v1 import trainer_pb2
+    from forkrl.wire.trainer.v1 import trainer_pb2
 
     msg = trainer_pb2.RunConfig()
     for name, value in cfg.model_dump().items():
@@ -171,7 +171,7 @@ def to_proto(cfg: RunConfig) -> Any:
 
 def from_proto(msg: Any) -> RunConfig:
     """Proto → validated RunConfig. Unset enums/zero scalars take the model defaults."""
-    from forkrl.trainer.v1 import trainer_pb2
+    from forkrl.wire.trainer.v1 import trainer_pb2
 
     defaults = RunConfig.model_construct()
     data: dict[str, Any] = {}

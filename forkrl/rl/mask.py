@@ -134,7 +134,7 @@ def forking_token_mask(entropy: Tensor, response_mask: Tensor, top_frac: float |
     """Keep the k = max(1, ceil(rho N)) highest-entropy real tokens of one micro-batch.
 
     Args:
-        entropy: [B, T] float (fp32 from `forkrl.entropy`); values at padding are ignored.
+        entropy: [B, T] float (fp32 from `forkrl.rl.entropy`); values at padding are ignored.
         response_mask: [B, T] bool, True on real response tokens.
         top_frac: rho in (0, 1], or None; None or 1.0 returns response_mask itself (a copy).
     """

@@ -15,33 +15,18 @@ TensorMeta); dtype names are torch's without the prefix ("float32", "bfloat16", 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import struct
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
+from forkrl.weights.safetensors import DTYPES, WeightsError
+
 CHUNK_BYTES = 4 << 20  # gRPC's default message limit is 4 MiB; chunks stay at or under it
 
-# Floating dtypes only: weights are pushed into a model whose parameters are floating point.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
-_TO_SAFETENSORS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
-_FROM_SAFETENSORS = {v: k for k, v in _TO_SAFETENSORS.items()}
-
 TensorMeta = dict[str, Any]  # {"name": str, "dtype": str, "shape": list[int], "nbytes": int}
-
-
-class WeightsError(ValueError):
-    """Metadata or payload that cannot be turned into the expected tensors; the message names the field."""
 
 
 class PackedStateDict(NamedTuple):
@@ -176,54 +161,3 @@ def unpack(metas: Sequence[TensorMeta], payload: bytes | bytearray | memoryview)
             out[m["name"]] = raw.view(dtype).reshape(list(m["shape"]))
             offset += nbytes
     return out
-
-
-def safetensors_prefix(metas: Sequence[TensorMeta]) -> bytes:
-    """The safetensors header (length + JSON) for a payload laid out as `metas` describes."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for m in metas:
-        nbytes = int(m["nbytes"])
-        header[m["name"]] = {
-            "dtype": _TO_SAFETENSORS[m["dtype"]],
-            "shape": list(m["shape"]),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def checkpoint_files(path: str | Path) -> list[Path]:
-    """`*.safetensors` files of a checkpoint: the file itself, or all such files in a directory."""
-    p = Path(path)
-    return [p] if p.is_file() else sorted(p.glob("*.safetensors"))
-
-
-def read_checkpoint_specs(path: str | Path) -> dict[str, tuple[str, list[int]]]:
-    """{name: (dtype, shape)} from the safetensors headers of a checkpoint (no tensor data is read)."""
-    files = checkpoint_files(path)
-    if not files:
-        raise WeightsError(f"no *.safetensors files in {path}")
-    specs: dict[str, tuple[str, list[int]]] = {}
-    for f in files:
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            if len(head) != 8:
-                raise WeightsError(f"{f} is not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > 100 << 20:
-                raise WeightsError(f"{f} is not a safetensors file (header length {n})")
-            try:
-                header = json.loads(fh.read(n))
-            except ValueError as e:
-                raise WeightsError(f"{f} is not a safetensors file ({e})") from None
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if name in specs:
-                raise WeightsError(f"tensor {name!r} appears in more than one file of {path}")
-            dtype = _FROM_SAFETENSORS.get(info["dtype"], info["dtype"].lower())
-            specs[name] = (dtype, list(info["shape"]))
-    return specs

@@ -1,0 +1,1 @@
+"""A training run: its configuration and the loop that turns rollouts into optimizer steps and pushes."""
