@@ -88,7 +88,7 @@ def main() -> int:
     import psutil
 
     from forkrl.clients.rollout import RolloutClient
-    from rollout_service.engine import VllmBackend
+    from rollout_service.vllm_backend import VllmBackend
     from tests.service_fixtures import start_rollout_service
 
     def cpu_s(procs: list[psutil.Process]) -> float:

@@ -1,5 +1,7 @@
 """The rollout service: vLLM's async engine behind gRPC, with in-place weight reloads.
 
 Entry point `python -m rollout_service`; settings in `config.py`, gRPC wiring in `server.py`, the logic in
-`engine.py`, the vLLM worker extension in `worker_ext.py`.
+`engine.py` (validation, generation, versions, swaps) with `gate.py` (drain, then swap), `staging.py`
+(receiving pushed weights) and `types.py` (errors, records, the Backend protocol); `vllm_backend.py` is the
+only code that touches vLLM, and `worker_ext.py` the part that runs inside vLLM's worker.
 """

@@ -1,200 +1,51 @@
-"""The rollout engine: request validation, sampling, policy versions and weight swaps around vLLM.
+"""The rollout engine: request validation, sampling, policy versions and weight swaps around a backend.
 
-Two layers, so that the logic can be tested without a model:
-- `VllmBackend` is the only code that touches vLLM (`AsyncLLM`): one engine request per sample, abort,
-  in-place reload through the worker extension, prefix-cache reset.
-- `RolloutEngine` owns everything else: validation (errors name the field and value), seeds derived per
-  (seed, prompt, sample), the swap gate and the policy version, weight staging and checks, counters.
+`RolloutEngine` owns everything but the model: validation (errors name the field and value), seeds derived
+per (seed, prompt, sample), the swap gate and the policy version, weight checks, counters. The model is
+behind the `Backend` protocol (`types.py`): `VllmBackend` (`vllm_backend.py`, the only code that touches
+vLLM) or a fake in the plumbing tests, so this logic is tested without a model. Pushed weights are received
+and verified in `staging.py`.
 
-Swap protocol ("drain, then swap"): a weight update first closes the gate for new samples, waits until
-every sample already submitted to the engine has finished, reloads, resets the prefix cache, bumps the
-version and reopens the gate. Every trajectory was therefore produced by one set of weights and reports
-that version. New Generate calls wait at the gate (they are not rejected); health is NOT_SERVING from
-the moment the gate closes until it reopens. vLLM's own `pause_generation(mode="keep")` would swap
-faster under load but mixes versions inside a trajectory, which the trainer's ratios cannot use.
+Swap protocol ("drain, then swap", see `gate.py`): a weight update closes the gate for new samples, waits
+until every sample already submitted to the engine has finished, reloads, resets the prefix cache, bumps
+the version and reopens the gate, so every trajectory reports the one version that produced it. Health is
+NOT_SERVING from the moment the gate closes until it reopens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import math
-import os
-import shutil
-import tempfile
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from forkrl.seeds import sample_seed
-from forkrl.weights.safetensors import DTYPES, WeightsError, checkpoint_files, read_checkpoint_specs, safetensors_prefix
-from forkrl.weights.wire import CHUNK_BYTES, TensorMeta, validate_metas
+from forkrl.weights.safetensors import DTYPES, WeightsError, checkpoint_files, read_checkpoint_specs
+from forkrl.weights.wire import TensorMeta, validate_metas
+from rollout_service.gate import SwapGate
+from rollout_service.staging import default_staging_dir, staged_weights
+from rollout_service.types import (
+    Backend,
+    Completion,
+    Counters,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Sample,
+    SamplingSpec,
+    StaleVersion,
+    SwapResult,
+)
 
 log = logging.getLogger("rollout_service")
 
 
-# ---------------------------------------------------------------------------------------------- errors
-class RolloutError(Exception):
-    """An error the caller can act on; `server.py` maps each subclass to a gRPC status code."""
-
-
-class InvalidArgument(RolloutError):
-    """INVALID_ARGUMENT"""
-
-
-class NotFound(RolloutError):
-    """NOT_FOUND"""
-
-
-class StaleVersion(RolloutError):
-    """ABORTED"""
-
-
-class ChecksumMismatch(RolloutError):
-    """DATA_LOSS"""
-
-
-class Unavailable(RolloutError):
-    """UNAVAILABLE"""
-
-
-class FailedPrecondition(RolloutError):
-    """FAILED_PRECONDITION"""
-
-
-class ResourceExhausted(RolloutError):
-    """RESOURCE_EXHAUSTED"""
-
-
-# ------------------------------------------------------------------------------------------ core types
-@dataclass
-class SamplingSpec:
-    n: int
-    temperature: float
-    max_new_tokens: int
-    top_p: float | None = None
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-
-
-@dataclass
-class Completion:
-    """What the backend returns for one finished engine request."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
-
-
-@dataclass
-class Sample:
-    prompt_index: int
-    sample_index: int
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    completion_text: str
-    logprobs: list[float]
-    finish_reason: str
-    policy_version: int
-
-
-@dataclass
-class Counters:
-    requests: int = 0
-    samples: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    aborted_requests: int = 0
-    weight_reloads: int = 0
-    rejected_weight_updates: int = 0
-    running_requests: int = 0
-
-
-@dataclass
-class SwapResult:
-    version: int
-    apply_s: float
-    drain_s: float
-    receive_s: float = 0.0
-    bytes_received: int = 0
-
-
-# ------------------------------------------------------------------------------------------- the gate
-class SwapGate:
-    """Samples enter and leave; a swap closes the gate, waits for zero samples inside, and reopens."""
-
-    def __init__(self) -> None:
-        self._active = 0
-        self._open = asyncio.Event()
-        self._open.set()
-        self._drained = asyncio.Event()
-        self._drained.set()
-
-    @property
-    def active(self) -> int:
-        return self._active
-
-    async def enter(self, k: int) -> None:
-        while not self._open.is_set():
-            await self._open.wait()
-        self._active += k
-        if self._active:
-            self._drained.clear()
-
-    def leave(self, k: int) -> None:  # sync: called from task done-callbacks
-        self._active -= k
-        if self._active == 0:
-            self._drained.set()
-
-    @contextlib.asynccontextmanager
-    async def closed(self) -> AsyncIterator[None]:
-        self._open.clear()
-        try:
-            await self._drained.wait()
-            yield
-        finally:
-            self._open.set()
-
-
-# ------------------------------------------------------------------------------------------- backend
-class Backend(Protocol):
-    """What RolloutEngine needs from an inference engine (VllmBackend; a fake in plumbing tests)."""
-
-    model: str
-    vocab_size: int  # tokenizer length (reported)
-    vocab_limit: int  # ids must be < this (max of tokenizer length and the model's vocab_size)
-    eos_token_id: int
-    max_model_len: int
-    engine_settings: dict[str, Any]
-
-    def encode(self, text: str) -> list[int]: ...
-    async def generate_one(
-        self, request_id: str, prompt_ids: list[int], spec: SamplingSpec, seed: int | None
-    ) -> Completion: ...
-    async def abort(self, request_ids: list[str]) -> None: ...
-    async def reload(self, path: str) -> None: ...
-    def num_unfinished(self) -> int: ...
-    def errored(self) -> bool: ...
-    def shutdown(self) -> None: ...
-
-
-def default_staging_dir() -> Path:
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm / "forkrl-rollout"
-    from forkrl.runtime import cache_dir
-
-    return cache_dir() / "weights-staging"
-
-
-# -------------------------------------------------------------------------------------------- engine
 class RolloutEngine:
     def __init__(
         self,
@@ -375,52 +226,16 @@ class RolloutEngine:
 
         Everything is checked before the engine is touched; any failure (including the caller's stream
         being cancelled) leaves the served weights and version as they were."""
-        t0 = time.perf_counter()
-        path: Path | None = None
         try:
             self._check_version(target_version)
             self._check_metas(metas, total_bytes)
-            if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256.lower()):
-                raise InvalidArgument(f"header.sha256 must be 64 hex characters, got {sha256[:80]!r}")
-            prefix = safetensors_prefix(metas)
-            free = shutil.disk_usage(self.staging_dir).free
-            if free < len(prefix) + total_bytes:
-                raise ResourceExhausted(
-                    f"staging dir {self.staging_dir} has {free} bytes free, the weights need {total_bytes}"
-                )
-            fd, name = tempfile.mkstemp(prefix=f"v{target_version}-", suffix=".safetensors", dir=self.staging_dir)
-            path = Path(name)
-            received = 0
-            stager = _Stager(os.fdopen(fd, "wb", buffering=0), prefix)
-            try:
-                async for chunk in chunks:
-                    if len(chunk) > CHUNK_BYTES:
-                        raise InvalidArgument(f"chunk of {len(chunk)} bytes exceeds the 4 MiB limit")
-                    received += len(chunk)
-                    if received > total_bytes:
-                        raise InvalidArgument(f"received more than header.total_bytes ({total_bytes}) bytes")
-                    await stager.put(chunk)
-                got = await stager.finish()
-            finally:
-                stager.close()
-            receive_s = time.perf_counter() - t0
-            log.info("v%d: received %d bytes in %.3f s (%.3f s hashing and staging)", target_version, received,
-                     receive_s, stager.busy_s)
-            if received != total_bytes:
-                raise InvalidArgument(
-                    f"the stream ended after {received} of header.total_bytes {total_bytes} bytes"
-                )
-            if got != sha256.lower():
-                raise ChecksumMismatch(f"sha256 of the received bytes is {got}, header.sha256 says {sha256}")
-            result = await self._swap(str(path), target_version)
-            result.receive_s, result.bytes_received = receive_s, received
+            async with staged_weights(self.staging_dir, target_version, metas, total_bytes, sha256, chunks) as staged:
+                result = await self._swap(str(staged.path), target_version)
+            result.receive_s, result.bytes_received = staged.receive_s, staged.bytes_received
             return result
         except BaseException:
             self.counters.rejected_weight_updates += 1
             raise
-        finally:
-            if path is not None:
-                path.unlink(missing_ok=True)
 
     async def load_weights(self, path: str, target_version: int) -> SwapResult:
         """Swap in the weights of a checkpoint directory (or one .safetensors file) after checking it."""
@@ -502,192 +317,7 @@ class RolloutEngine:
         }
 
 
-class _Stager:
-    """Hash and write received chunks in worker threads while the next ones arrive. sha256 and the
-    tmpfs write release the GIL, so neither the event loop (health, generation) nor the receiving
-    stalls; at most `depth` chunks (4 MiB each) wait in between."""
-
-    def __init__(self, f: Any, prefix: bytes, depth: int = 8) -> None:
-        self._f = f
-        self._f.write(prefix)
-        self._lock = threading.Lock()  # the file is closed under it: no write can race the close
-        self._digest = hashlib.sha256()
-        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=depth)
-        self._task = asyncio.create_task(self._run())
-        self.busy_s = 0.0
-
-    async def _run(self) -> None:
-        while (chunk := await self._queue.get()) is not None:
-            t = time.perf_counter()
-            # hash and write the same chunk in two threads: each is a pass over memory (~0.3 s per
-            # 400 MB here), so with a free core the staging costs one pass instead of two
-            await asyncio.gather(asyncio.to_thread(self._digest.update, chunk), asyncio.to_thread(self._write, chunk))
-            self.busy_s += time.perf_counter() - t
-
-    def _write(self, chunk: bytes) -> None:
-        with self._lock:
-            if not self._f.closed:  # closed: the update was abandoned meanwhile
-                self._f.write(chunk)
-
-    async def put(self, chunk: bytes) -> None:
-        if self._task.done():  # a write failed: surface it now
-            self._task.result()
-        await self._queue.put(chunk)
-
-    async def finish(self) -> str:
-        await self._queue.put(None)
-        await self._task
-        return self._digest.hexdigest()
-
-    def close(self) -> None:
-        self._task.cancel()
-        with self._lock:
-            self._f.close()
-
-
 def _itemsize(dtype: str) -> int:
     if dtype not in DTYPES:
         raise InvalidArgument(f"checkpoint tensor dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[dtype].itemsize
-
-
-# --------------------------------------------------------------------------------------- vLLM backend
-class VllmBackend:
-    """AsyncLLM with one request per sample, FINAL_ONLY outputs and sampled-token logprobs at T.
-
-    Built with `await VllmBackend.start(settings)`; the engine is constructed in a worker thread so the
-    gRPC server keeps answering health checks (NOT_SERVING) during the ~10-20 s start."""
-
-    def __init__(self, llm: Any, settings: Any, engine_settings: dict[str, Any]) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        self._llm = llm
-        self._SamplingParams = SamplingParams
-        self._final_only = RequestOutputKind.FINAL_ONLY
-        self.model = settings.model
-        tok = llm.get_tokenizer()
-        self._tokenizer = tok
-        hf_config = llm.model_config.hf_config
-        self.vocab_size = len(tok)
-        self.vocab_limit = max(len(tok), int(getattr(hf_config, "vocab_size", 0) or 0))
-        eos = getattr(tok, "eos_token_id", None)
-        self.eos_token_id = int(eos) if eos is not None else -1
-        self.max_model_len = int(llm.model_config.max_model_len)
-        self.engine_settings = engine_settings | {
-            "max_model_len": self.max_model_len,
-            "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
-        }
-
-    @classmethod
-    async def start(cls, settings: Any) -> VllmBackend:
-        import vllm
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        args = AsyncEngineArgs(
-            model=settings.model,
-            dtype=settings.dtype,
-            max_model_len=settings.max_model_len,
-            enforce_eager=settings.enforce_eager,
-            seed=settings.seed,
-            max_num_seqs=settings.max_num_seqs,
-            kv_cache_memory_bytes=int(settings.kv_cache_gib * (1 << 30)),
-            # log_softmax(logits / T) of the sampled token: the quantity the trainer's ratio needs.
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="rollout_service.worker_ext.WeightReloadExtension",
-            disable_log_stats=True,
-            # vLLM 0.32 CPU bug: a partially prefilled *seeded* request makes the model runner rewind its
-            # sampling generator with set_offset(), which CPU generators do not have -> the engine core
-            # dies ("CPU Generator does not use offset"). Without chunked prefill every prompt is
-            # prefilled in one step (max_num_batched_tokens >= max_model_len), so nothing is rewound.
-            enable_chunked_prefill=False if current_platform.is_cpu() else None,
-            # No hub at run time: the model is a local directory.
-            trust_remote_code=False,
-        )
-        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
-        engine_settings = {
-            "dtype": settings.dtype,
-            "enforce_eager": settings.enforce_eager,
-            "logprobs_mode": "processed_logprobs",
-            "kv_cache_gib": settings.kv_cache_gib,
-            "device": llm.vllm_config.device_config.device_type,
-            "vllm_version": vllm.__version__,
-            "engine_mode": settings.engine_mode,
-        }
-        backend = cls(llm, settings, engine_settings)
-        del llm  # the backend owns the engine; see shutdown()
-        return backend
-
-    def encode(self, text: str) -> list[int]:
-        # add_special_tokens=True: what vLLM itself does for a text prompt (BOS for tokenizers that add it)
-        return list(self._tokenizer.encode(text, add_special_tokens=True))
-
-    async def generate_one(
-        self, request_id: str, prompt_ids: list[int], spec: SamplingSpec, seed: int | None
-    ) -> Completion:
-        try:
-            params = self._sampling_params(spec, seed)
-        except ValueError as e:  # vLLM's own checks (VLLMValidationError): a bad request, not a bug
-            raise InvalidArgument(f"sampling: {e}") from None
-        final = None
-        prompt = {"type": "token", "prompt_token_ids": prompt_ids}  # vllm.inputs.engine.TokensInput
-        async for out in self._llm.generate(prompt, params, request_id=request_id):
-            final = out
-        assert final is not None and final.finished
-        c = final.outputs[0]
-        token_ids = list(c.token_ids)
-        return Completion(token_ids, c.text, _sampled_logprobs(c.logprobs, token_ids), c.finish_reason or "abort")
-
-    def _sampling_params(self, spec: SamplingSpec, seed: int | None) -> Any:
-        return self._SamplingParams(
-            n=1,
-            temperature=spec.temperature,
-            top_p=1.0 if spec.top_p is None else spec.top_p,
-            max_tokens=spec.max_new_tokens,
-            stop=list(spec.stop) or None,
-            seed=seed,
-            logprobs=0,  # the sampled token's logprob only
-            flat_logprobs=True,  # flat lists instead of a dict per token: less GC work per sample
-            output_kind=self._final_only,  # n>1 cumulative outputs can miss samples (vllm-cpu-notes)
-        )
-
-    async def abort(self, request_ids: list[str]) -> None:
-        await self._llm.abort(request_ids)
-
-    async def reload(self, path: str) -> None:
-        results = await self._llm.collective_rpc("forkrl_reload_safetensors", args=(path,))
-        await self._llm.reset_prefix_cache()
-        log.debug("reload results: %s", results)
-
-    def num_unfinished(self) -> int:
-        return int(self._llm.get_num_unfinished_requests())
-
-    def errored(self) -> bool:
-        """True once the engine core died (e.g. a crash inside a kernel); it never recovers by itself."""
-        return bool(self._llm.errored)
-
-    def shutdown(self) -> None:
-        import gc
-
-        self._llm.shutdown()
-        # Drop the engine now: AsyncLLM.__del__ calls shutdown() again, which fails noisily when it
-        # only runs during interpreter teardown.
-        del self._llm
-        gc.collect()
-
-
-def _sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:
-    """Logprob of each sampled token from vLLM's FlatLogprobs (or list-of-dicts) output."""
-    if lp is None:
-        return []
-    if hasattr(lp, "start_indices"):  # FlatLogprobs: with logprobs=0 one entry per position
-        if len(lp.logprobs) == len(token_ids) and list(lp.token_ids) == token_ids:
-            return list(lp.logprobs)
-        out = []
-        for k, t in enumerate(token_ids):
-            lo, hi = lp.start_indices[k], lp.end_indices[k]
-            out.append(lp.logprobs[lo + list(lp.token_ids[lo:hi]).index(t)])
-        return out
-    return [pos[t].logprob for pos, t in zip(lp, token_ids, strict=True)]

@@ -1,6 +1,6 @@
 """gRPC wiring of the rollout service: proto <-> engine types, status codes, health, reflection, shutdown.
 
-The logic is in `engine.py`; this module only translates. Life cycle:
+The logic is in `engine.py` (types and errors in `types.py`); this module only translates. Life cycle:
 1. listen at once with health NOT_SERVING (clients can connect and watch),
 2. start the engine in a thread (~10-20 s on CPU), then SERVING,
 3. NOT_SERVING again while weights are swapped (set by the engine),
@@ -24,13 +24,13 @@ from grpc_reflection.v1alpha import reflection
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from rollout_service.config import RolloutSettings
-from rollout_service.engine import (
+from rollout_service.engine import RolloutEngine
+from rollout_service.types import (
     ChecksumMismatch,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
-    RolloutEngine,
     RolloutError,
     Sample,
     SamplingSpec,
@@ -125,7 +125,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def load(self, make_backend: Callable[[RolloutSettings], Any] | None = None) -> None:
         """Start the engine (`make_backend` is the seam the plumbing tests use for a fake backend)."""
         if make_backend is None:
-            from rollout_service.engine import VllmBackend
+            from rollout_service.vllm_backend import VllmBackend
 
             make_backend = VllmBackend.start
         backend = await make_backend(self.settings)

@@ -25,8 +25,8 @@ from forkrl.weights.wire import pack_state_dict
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from rollout_service.config import RolloutSettings
-from rollout_service.engine import Completion, SamplingSpec
 from rollout_service.server import build_server
+from rollout_service.types import Completion, SamplingSpec
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 MODEL = {"embed.weight": torch.randn(50, 8), "norm.weight": torch.ones(8)}

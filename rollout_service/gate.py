@@ -1,0 +1,50 @@
+"""The swap gate: how a weight update waits for the samples in flight ("drain, then swap").
+
+A weight update first closes the gate for new samples, waits until every sample already submitted to the
+engine has finished, reloads, and reopens the gate. Every trajectory is therefore produced by one set of
+weights and reports that version. New Generate calls wait at the gate (they are not rejected).
+vLLM's own `pause_generation(mode="keep")` would swap faster under load but mixes versions inside a
+trajectory, which the trainer's ratios cannot use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+
+class SwapGate:
+    """Samples enter and leave; a swap closes the gate, waits for zero samples inside, and reopens."""
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._drained = asyncio.Event()
+        self._drained.set()
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    async def enter(self, k: int) -> None:
+        while not self._open.is_set():
+            await self._open.wait()
+        self._active += k
+        if self._active:
+            self._drained.clear()
+
+    def leave(self, k: int) -> None:  # sync: called from task done-callbacks
+        self._active -= k
+        if self._active == 0:
+            self._drained.set()
+
+    @contextlib.asynccontextmanager
+    async def closed(self) -> AsyncIterator[None]:
+        self._open.clear()
+        try:
+            await self._drained.wait()
+            yield
+        finally:
+            self._open.set()

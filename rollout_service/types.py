@@ -1,0 +1,121 @@
+"""The rollout engine's vocabulary: errors, the records passed between server, engine and backend, and
+the `Backend` protocol.
+
+Each error class is one gRPC status code (`server.py` maps them), so the engine and the backends say what
+went wrong without importing grpc. `Backend` is what `RolloutEngine` needs from an inference engine:
+`VllmBackend` in production, a fake in the server-plumbing tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class RolloutError(Exception):
+    """An error the caller can act on; `server.py` maps each subclass to a gRPC status code."""
+
+
+class InvalidArgument(RolloutError):
+    """INVALID_ARGUMENT"""
+
+
+class NotFound(RolloutError):
+    """NOT_FOUND"""
+
+
+class StaleVersion(RolloutError):
+    """ABORTED"""
+
+
+class ChecksumMismatch(RolloutError):
+    """DATA_LOSS"""
+
+
+class Unavailable(RolloutError):
+    """UNAVAILABLE"""
+
+
+class FailedPrecondition(RolloutError):
+    """FAILED_PRECONDITION"""
+
+
+class ResourceExhausted(RolloutError):
+    """RESOURCE_EXHAUSTED"""
+
+
+# ------------------------------------------------------------------------------------------ core types
+@dataclass
+class SamplingSpec:
+    n: int
+    temperature: float
+    max_new_tokens: int
+    top_p: float | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """What the backend returns for one finished engine request."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+@dataclass
+class Sample:
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_text: str
+    logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    samples: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    aborted_requests: int = 0
+    weight_reloads: int = 0
+    rejected_weight_updates: int = 0
+    running_requests: int = 0
+
+
+@dataclass
+class SwapResult:
+    version: int
+    apply_s: float
+    drain_s: float
+    receive_s: float = 0.0
+    bytes_received: int = 0
+
+
+# ------------------------------------------------------------------------------------------- backend
+class Backend(Protocol):
+    """What RolloutEngine needs from an inference engine (VllmBackend; a fake in plumbing tests)."""
+
+    model: str
+    vocab_size: int  # tokenizer length (reported)
+    vocab_limit: int  # ids must be < this (max of tokenizer length and the model's vocab_size)
+    eos_token_id: int
+    max_model_len: int
+    engine_settings: dict[str, Any]
+
+    def encode(self, text: str) -> list[int]: ...
+    async def generate_one(
+        self, request_id: str, prompt_ids: list[int], spec: SamplingSpec, seed: int | None
+    ) -> Completion: ...
+    async def abort(self, request_ids: list[str]) -> None: ...
+    async def reload(self, path: str) -> None: ...
+    def num_unfinished(self) -> int: ...
+    def errored(self) -> bool: ...
+    def shutdown(self) -> None: ...
