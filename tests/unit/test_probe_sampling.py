@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from forkrl.models.sampling import trim_at_eos
 from forkrl.probe.sampling import (
     pad_right,
     rank_bins,
@@ -16,7 +17,6 @@ from forkrl.probe.sampling import (
     seeded_generator,
     select_positions,
     token_stats,
-    trim_at_eos,
 )
 from tests.service_fixtures import build_random_llama
 
