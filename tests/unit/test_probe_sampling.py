@@ -197,7 +197,7 @@ def test_select_positions_caps_per_cell_and_per_trajectory():
 
 
 def test_checkpoint_without_safetensors_is_refused(tmp_path):
-    from forkrl.probe.job import load_checkpoint
+    from forkrl.probe.checkpoints import load_checkpoint
 
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     (tmp_path / "pytorch_model.bin").write_bytes(b"a pickle would run code on load")
