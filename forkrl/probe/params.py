@@ -58,16 +58,17 @@ RowSpec = Annotated[
 class ProbeParams(BaseModel):
     """One probe job: which checkpoints, how to sample, what to differentiate. Defaults: algorithms.md §4."""
 
+    # list defaults are plain values (pydantic copies them per instance), so /docs and --help show them
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     # ---- what to probe
     checkpoint_root: str | None = None
     """A run's checkpoints dir (<run_dir>/checkpoints) holding step_NNNNNN/ and final/."""
-    steps: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=1000)
+    steps: list[Annotated[int, Field(ge=0)]] = Field(default=[], max_length=1000)
     """Steps to probe under checkpoint_root, e.g. [20, 80]."""
     include_final: bool = False
     """Also probe checkpoint_root/final."""
-    checkpoints: list[str] = Field(default_factory=list, max_length=64)
+    checkpoints: list[str] = Field(default=[], max_length=64)
     """Explicit checkpoint directories (in addition to steps)."""
     model: str | None = None
     """Base model directory, probed first under the label 'base' (optional)."""
@@ -105,18 +106,18 @@ class ProbeParams(BaseModel):
     """Also record each token's entropy at T = 1."""
 
     # ---- gradient targets and statistics
-    modules: list[ModuleName] = Field(default_factory=lambda: ["k_proj", "down_proj"], min_length=1, max_length=8)
+    modules: list[ModuleName] = Field(default=["k_proj", "down_proj"], min_length=1, max_length=8)
     """Linear weights to differentiate (lm_head is probed once, not per layer)."""
     layers: list[Annotated[int, Field(ge=-1024, le=1023)]] = Field(
-        default_factory=lambda: [0, -1], min_length=1, max_length=256
+        default=[0, -1], min_length=1, max_length=256
     )
     """Decoder layers; negative counts from the end."""
-    row_specs: list[RowSpec] = Field(default_factory=lambda: ["random:32"], min_length=1, max_length=8)
+    row_specs: list[RowSpec] = Field(default=["random:32"], min_length=1, max_length=8)
     """Row sets of each weight: start, mid, last, random:N (seeded) or '0,5,9'."""
     whole_kv_heads: bool = True
     """k_proj/v_proj row sets are whole KV heads (head_dim consecutive rows)."""
     proj_k: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
-        default_factory=lambda: [1, 4, 16], min_length=1, max_length=16
+        default=[1, 4, 16], min_length=1, max_length=16
     )
     """k of the cross-fitted projection energy fraction (reported only where k < n)."""
     erank_draws: int = Field(default=20, ge=1, le=1000)
