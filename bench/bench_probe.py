@@ -66,12 +66,15 @@ def _model_dir(arg: str | None, tmp: Path) -> tuple[Path, str]:
 def bench_ratio(model_dir: Path, n_positions: int, repeats: int) -> None:
     import torch
 
+    from forkrl.probe.checkpoints import load_checkpoint
     from forkrl.probe.gradients import build_targets, exact_row_grads, reference_row_grads
-    from forkrl.probe.job import ProbeParams, load_checkpoint, load_prompts
+    from forkrl.probe.job import load_problems, plan_probe
+    from forkrl.probe.params import ProbeParams
     from forkrl.probe.sampling import pad_right, sample_trajectories
 
     model, tok = load_checkpoint(model_dir, torch.float32, torch.device("cpu"))
-    problems, max_new = load_prompts(ProbeParams(num_prompts=16))
+    plan = plan_probe(ProbeParams(model=str(model_dir), num_prompts=16))
+    problems, max_new = load_problems(plan), plan.max_new_tokens
     prompt_ids = [tok(p.prompt)["input_ids"] for p in problems]
     trajs = sample_trajectories(
         model,
@@ -149,7 +152,7 @@ def bench_ratio(model_dir: Path, n_positions: int, repeats: int) -> None:
 def bench_job(model_dir: Path, tmp: Path) -> None:
     import json
 
-    from forkrl.probe.job import ProbeParams, run_probe
+    from forkrl.probe import ProbeParams, run_probe
 
     ckroot = tmp / "ckpts"
     ckroot.mkdir()

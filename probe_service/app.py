@@ -1,4 +1,9 @@
-"""HTTP routes of the probe service. The work happens in `forkrl.probe`; jobs in `probe_service.jobs`.
+"""HTTP routes of the probe service. The work happens in `forkrl.probe`; admission (allowed roots, rewards)
+in `probe_service.admission`; jobs in `probe_service.jobs`.
+
+POST /probe, in order: the body is validated as `forkrl.probe.params.ProbeParams` (422 naming the field)
+-> admission: paths confined to the allowed roots (400 '..', 403 outside), the core plans the job (404
+missing steps or paths, 400 bad checkpoint, task, dataset or reward) -> the job is queued (429 when full).
 
 POST   /probe                      202 + Location (or 200 + summary with ?wait=true)
 GET    /probe                      all jobs
@@ -22,9 +27,11 @@ from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from forkrl.probe.params import ProbeParams
+from probe_service.admission import RequestError, admit
 from probe_service.config import ProbeSettings
-from probe_service.jobs import Job, JobFinished, JobManager, JobNotFound, QueueFull, RequestError, build_params
-from probe_service.schemas import JobCreated, JobList, JobStatus, ProbeRequest
+from probe_service.jobs import Job, JobFinished, JobManager, JobNotFound, QueueFull
+from probe_service.schemas import JobCreated, JobList, JobStatus
 
 
 class JsonBodyByDefault:
@@ -99,14 +106,14 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
         responses={200: {"description": "?wait=true: the finished job's summary"}, 429: {"description": "full"}},
     )
     def submit(
-        req: ProbeRequest,
+        params: ProbeParams,
         request: Request,
         response: Response,
         wait: bool = Query(False, description="Block until the job ends and return its summary (200)."),
     ):
-        params = build_params(req, settings)
+        plan = admit(params, settings)
         try:
-            job = manager.submit(params)
+            job = manager.submit(plan)
         except QueueFull as exc:
             raise HTTPException(429, str(exc), headers={"Retry-After": "30"}) from None
         location = str(request.url_for("job_status", job_id=job.id))

@@ -1,4 +1,5 @@
-"""Probe jobs: request checks against the allowed roots, a bounded queue, worker threads, cancellation.
+"""Probe jobs: a bounded queue, worker threads, job records, cancellation. Requests are admitted (checked
+and planned) before they get here, by `probe_service.admission`.
 
 A job's outputs go to <jobs_dir>/<id>/ (the files of `forkrl.probe.job.run_probe`) plus job.json, its final
 status. Jobs are kept in memory for the life of the process; finished ones are reloaded from job.json at
@@ -21,31 +22,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from forkrl.files import atomic_write_json
-from forkrl.probe.job import (
-    CheckpointNotFound,
-    ProbeCancelled,
-    ProbeParams,
-    list_steps,
-    run_probe,
-    validate_params,
-    weight_files,
-)
+from forkrl.probe.job import ProbePlan, run_probe
+from forkrl.probe.worker import ProbeCancelled
 from probe_service.config import ProbeSettings
-from probe_service.schemas import ProbeRequest
 
 log = logging.getLogger("probe_service")
 
 STATES = ("queued", "running", "done", "failed", "cancelled")
 FINAL = frozenset({"done", "failed", "cancelled"})
-BUILTIN_REWARDS = ("", "exact_match", "math_verify")
-
-
-class RequestError(Exception):
-    """A request the service refuses; `status` is the HTTP code, `extra` goes into the body."""
-
-    def __init__(self, status: int, message: str, **extra: Any):
-        super().__init__(message)
-        self.status, self.message, self.extra = status, message, extra
 
 
 class QueueFull(Exception):
@@ -60,98 +44,13 @@ class JobFinished(Exception):
     pass
 
 
-# ------------------------------------------------------------------------------------------- request checks
-
-
-def _inside(path: str, roots: list[Path], what: str, must_be_dir: bool = True) -> Path:
-    """`path` resolved (symlinks followed); 400 for '..', 403 outside the roots, 404 if missing."""
-    p = Path(path).expanduser()
-    if ".." in p.parts:
-        raise RequestError(400, f"{what} {path!r} must not contain '..'")
-    real = p.resolve()
-    if not any(real == r or real.is_relative_to(r) for r in roots):
-        raise RequestError(403, f"{what} {path!r} is outside the allowed roots {[str(r) for r in roots]}")
-    if not real.exists():
-        raise RequestError(404, f"{what} {path!r} does not exist")
-    if must_be_dir and not real.is_dir():
-        raise RequestError(400, f"{what} {path!r} is not a directory")
-    return real
-
-
-def _check_checkpoint_dir(path: Path, roots: list[Path]) -> None:
-    """A HF checkpoint with safetensors weights, and no file inside that links out of the roots."""
-    for f in path.iterdir():
-        real = f.resolve()
-        if not any(real.is_relative_to(r) for r in roots):
-            raise RequestError(403, f"{f} links outside the allowed roots")
-    if not (path / "config.json").is_file():
-        raise RequestError(400, f"{path} has no config.json: not a HF checkpoint directory")
-    if not any(p.suffix == ".safetensors" for p in weight_files(path)):
-        raise RequestError(400, f"{path} has no *.safetensors weights; pickled (.bin/.pt) weights are refused")
-
-
-def _check_layers(path: Path, layers: list[int]) -> None:
-    """Layer indices against the checkpoint's config, so a typo fails at submission, not after sampling."""
-    try:
-        n = int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # unusual config: the job reports it
-    bad = [x for x in layers if not -n <= x < n]
-    if bad:
-        raise RequestError(400, f"layers {bad} out of range for {path.name} with {n} layers (use -{n}..{n - 1})")
-
-
-def build_params(req: ProbeRequest, settings: ProbeSettings) -> ProbeParams:
-    """Check a request's paths and names; return job parameters with every path resolved."""
-    roots = settings.resolved_roots()
-    if req.reward not in BUILTIN_REWARDS and not settings.allow_custom_rewards:
-        raise RequestError(400, f"reward {req.reward!r} is not allowed; use exact_match or math_verify")
-    data = req.model_dump()
-    ckpts: list[Path] = []
-    if req.model:
-        data["model"] = str(_inside(req.model, roots, "model"))
-        ckpts.append(Path(data["model"]))
-    if req.checkpoint_root:
-        root = _inside(req.checkpoint_root, roots, "checkpoint_root")
-        data["checkpoint_root"] = str(root)
-        available, has_final = list_steps(root)
-        missing = [s for s in req.steps if s not in available]
-        if missing or (req.include_final and not has_final):
-            err = CheckpointNotFound(root, missing, list(available), has_final, req.include_final and not has_final)
-            raise RequestError(
-                404, str(err), missing_steps=missing, available_steps=list(available), has_final=has_final
-            )
-        for s in req.steps:
-            ckpts.append(_inside(str(available[s]), roots, f"step {s}"))
-        if req.include_final:
-            ckpts.append(_inside(str(root / "final"), roots, "final"))
-    data["checkpoints"] = []
-    for c in req.checkpoints:
-        real = _inside(c, roots, "checkpoint")
-        data["checkpoints"].append(str(real))
-        ckpts.append(real)
-    for c in ckpts:
-        _check_checkpoint_dir(c, roots)
-        _check_layers(c, req.layers)
-    if req.dataset:
-        # a "{split}" template names one file per split; check the one this job reads
-        real = _inside(req.dataset.replace("{split}", req.split), roots, "dataset", must_be_dir=False)
-        data["dataset"] = str(real) if "{split}" not in req.dataset else req.dataset
-    params = ProbeParams(**data, device=settings.device)
-    try:
-        validate_params(params)
-    except ValueError as exc:
-        raise RequestError(400, str(exc)) from exc
-    return params
-
-
 # -------------------------------------------------------------------------------------------------- jobs
 
 
 @dataclass
 class Job:
     id: str
-    params: ProbeParams | None
+    plan: ProbePlan | None  # None for a finished job reloaded from its job.json
     out_dir: Path
     state: str = "queued"
     created_at: float = field(default_factory=time.time)
@@ -247,7 +146,7 @@ class JobManager:
                 out[j.state] = out.get(j.state, 0) + 1
             return out
 
-    def submit(self, params: ProbeParams) -> Job:
+    def submit(self, plan: ProbePlan) -> Job:
         with self._lock:
             active = sum(j.state in ("queued", "running") for j in self._jobs.values())
             if active >= self.settings.max_concurrent_jobs + self.settings.max_queued_jobs:
@@ -257,7 +156,7 @@ class JobManager:
                     f"{self.settings.max_queued_jobs} queued); retry later"
                 )
             job_id = uuid.uuid4().hex[:16]
-            job = Job(id=job_id, params=params, out_dir=self.jobs_dir / job_id)
+            job = Job(id=job_id, plan=plan, out_dir=self.jobs_dir / job_id)
             self._jobs[job_id] = job
             self.m_submitted.inc()
         self._queue.put(job)
@@ -303,7 +202,10 @@ class JobManager:
                 job.stage = stage
 
         try:
-            summary = run_probe(job.params, job.out_dir, progress=progress, should_cancel=job.cancel_event.is_set)
+            summary = run_probe(
+                job.plan, job.out_dir, device=self.settings.device, progress=progress,
+                should_cancel=job.cancel_event.is_set,
+            )  # fmt: skip
         except ProbeCancelled:
             with self._lock:
                 self._finish(job, "cancelled", stage="cancelled")
@@ -335,7 +237,7 @@ class JobManager:
                 d = json.loads(f.read_text())
                 job = Job(
                     id=d["id"],
-                    params=None,
+                    plan=None,
                     out_dir=f.parent,
                     state=d["state"],
                     created_at=d["timings"]["created_at"],

@@ -25,13 +25,13 @@ import json
 import os
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forkrl.files import atomic_dir, sha256_file
+from forkrl.models.sampling import sample_completions
 from forkrl.runtime import REPO_ROOT
 
 if TYPE_CHECKING:  # heavy imports stay out of `--help`
@@ -146,82 +146,6 @@ def load_model_and_tokenizer(model_dir: str | os.PathLike) -> tuple[PreTrainedMo
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return model.eval(), AutoTokenizer.from_pretrained(model_dir)
-
-
-def sample_completions(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[str],
-    *,
-    temperature: float = 1.0,
-    n_samples: int = 1,
-    max_new_tokens: int = 16,
-    seed: int = 0,
-    batch_size: int = 512,
-) -> list[list[str]]:
-    """`n_samples` completions per prompt (text after the prompt, up to EOS, EOS excluded).
-
-    temperature 0 is greedy. Batched with a KV cache; rows are grouped by prompt length so no padding
-    is needed. Sampling draws from a `torch.Generator` seeded with `seed`, so results are reproducible
-    and the global RNG is untouched.
-    """
-    import torch
-
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    ids = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
-    rows_by_len: dict[int, list[int]] = defaultdict(list)
-    for i, row in enumerate(ids):
-        rows_by_len[len(row)].extend([i] * n_samples)
-    out: list[list[str]] = [[] for _ in prompts]
-    eos = tokenizer.eos_token_id
-    gen = torch.Generator().manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for length in sorted(rows_by_len):
-                rows = rows_by_len[length]
-                for start in range(0, len(rows), batch_size):
-                    chunk = rows[start : start + batch_size]
-                    tokens = _generate(
-                        model, torch.tensor([ids[i] for i in chunk]), temperature, max_new_tokens, eos, gen
-                    )
-                    for i, seq in zip(chunk, tokens.tolist(), strict=True):
-                        seq = seq[: seq.index(eos)] if eos in seq else seq
-                        out[i].append(tokenizer.decode(seq, skip_special_tokens=True))
-    finally:
-        model.train(was_training)
-    return out
-
-
-def _generate(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    temperature: float,
-    max_new_tokens: int,
-    eos: int,
-    gen: torch.Generator,
-) -> torch.Tensor:
-    import torch
-
-    result = model(input_ids=input_ids, use_cache=True)
-    done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
-    steps = []
-    for _ in range(max_new_tokens):
-        logits = result.logits[:, -1].float()
-        if temperature == 0:
-            nxt = logits.argmax(-1)
-        else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-        nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
-        steps.append(nxt)
-        done |= nxt == eos
-        if bool(done.all()):
-            break
-        result = model(input_ids=nxt[:, None], past_key_values=result.past_key_values, use_cache=True)
-    return torch.stack(steps, dim=1)
 
 
 def evaluate_accuracy(

@@ -9,23 +9,35 @@ effective rank).
     summary = run_probe(ProbeParams(checkpoints=["runs/x/checkpoints/step_000020"]), out_dir="probe_out")
 
 Modules:
-    gradients  exact batched per-position row gradients (forward hooks + is_grads_batched VJP)
-    metrics    float64 cell statistics (§4.3)
-    sampling   seeded batched sampling with a KV cache, EOS trimming, grading, the no-grad entropy pass
-    job        the whole job: checkpoints -> sampling -> bins -> selection -> gradients -> files
+    params       ProbeParams: every knob of a job, one pydantic model (HTTP body, job, CLI)
+    checkpoints  which checkpoints a job reads (typed errors), loading one
+    job          plan_probe (every check that needs no model) and run_probe (the whole job)
+    worker       one checkpoint: sampling -> bins -> selection -> gradients -> statistics
+    outputs      summary.json, token_probe_records.jsonl, manifest.json, plots
+    sampling     trajectories (forkrl.models.sampling underneath), grading, the entropy pass, bins, selection
+    gradients    exact batched per-position row gradients (forward hooks + is_grads_batched VJP)
+    metrics      float64 cell statistics (§4.3)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ProbeCancelled", "ProbeParams", "resolve_checkpoints", "run_probe"]
+__all__ = ["ProbeCancelled", "ProbeParams", "ProbePlan", "plan_probe", "run_probe"]
+
+_HOME = {
+    "ProbeParams": "params",
+    "ProbeCancelled": "worker",
+    "ProbePlan": "job",
+    "plan_probe": "job",
+    "run_probe": "job",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # lazy: `forkrl.probe.gradients` and `.metrics` stay importable without pulling in the job machinery
-    if name in __all__:
-        from forkrl.probe import job
+    # lazy: `forkrl.probe.params`, `.gradients` and `.metrics` stay importable without the job machinery
+    if name in _HOME:
+        import importlib
 
-        return getattr(job, name)
+        return getattr(importlib.import_module(f"forkrl.probe.{_HOME[name]}"), name)
     raise AttributeError(f"module 'forkrl.probe' has no attribute {name!r}")

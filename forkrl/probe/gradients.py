@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from forkrl.probe.params import GRAD_METHODS, MODULE_PATHS, ROW_SPEC_PATTERN
 from forkrl.seeds import seeded_generator
 
 __all__ = [
@@ -53,20 +54,9 @@ __all__ = [
     "reference_row_grads",
 ]
 
-# short module name -> path inside a decoder layer (Llama/Qwen2/Mistral naming); lm_head sits on the model
-MODULE_PATHS: dict[str, str] = {
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-    "lm_head": "lm_head",
-}
 KV_MODULES = frozenset({"k_proj", "v_proj"})
 DEFAULT_BLOCK_ROWS = 32
-_ROW_SPEC_RE = re.compile(r"^(start|mid|last|random:[1-9]\d*|-?\d+(,-?\d+)*)$")
+_ROW_SPEC_RE = re.compile(ROW_SPEC_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -269,7 +259,7 @@ class GradResult:
     method: str  # "vmap", "replicate" or "loop" (vmap fell back, or asked for)
 
 
-METHODS = ("vmap", "replicate", "loop")
+METHODS = GRAD_METHODS
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

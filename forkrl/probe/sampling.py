@@ -7,11 +7,12 @@
     bins = rank_bins(entropy, 5, seeded_generator(0, "bins"))
     chosen, available = select_positions(bins, traj_of, correct_of, eligible, n_bins=5, per_cell=64, per_traj=4)
 
-Sampling is plain ancestral sampling from softmax(z / T) (top-p 1, no top-k, as in RL rollouts, §1.3),
-batched over prompts of equal length with a KV cache, driven by a job-local `torch.Generator` so two jobs in
-one process never share RNG state. Each response is cut at its first EOS, **keeping the EOS** (the EOS is
-a generated token the policy chose and is trained on); everything after it is padding, and padding never
-reaches a statistic: the entropy pass only scores response tokens, and positions index real tokens only.
+Sampling is forkrl's one KV-cache sampler (`forkrl.models.sampling`): ancestral sampling from softmax(z / T)
+(top-p 1, no top-k, as in RL rollouts, §1.3), batched over prompts of equal length, driven by a job-local
+`torch.Generator` so two jobs in one process never share RNG state. Each response is cut at its first EOS,
+**keeping the EOS** (the EOS is a generated token the policy chose and is trained on); everything after it
+is padding, and padding never reaches a statistic: the entropy pass only scores response tokens, and
+positions index real tokens only.
 
 Bins are by rank, not by value edges: pool every response token, sort by (H, seeded random tie-break) and
 set bin = floor(K * rank / N). Near-zero entropies tie a lot, and quantile edges then collapse.
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from forkrl.data.rewards import get_reward_fn
+from forkrl.models.sampling import sample_tokens
 from forkrl.rl.entropy import token_logprobs_and_entropy
 from forkrl.seeds import seeded_generator
 
@@ -39,7 +42,6 @@ __all__ = [
     "seeded_generator",
     "select_positions",
     "token_stats",
-    "trim_at_eos",
 ]
 
 
@@ -66,20 +68,6 @@ class Trajectory:
         return len(self.response_ids)
 
 
-def trim_at_eos(tokens: Sequence[int], eos_ids: Iterable[int]) -> tuple[list[int], bool]:
-    """Tokens up to and including the first EOS, and whether an EOS was found."""
-    eos = set(eos_ids)
-    for i, tok in enumerate(tokens):
-        if tok in eos:
-            return list(tokens[: i + 1]), True
-    return list(tokens), False
-
-
-def _float_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-@torch.no_grad()
 def sample_trajectories(
     model: nn.Module,
     prompt_ids: Sequence[Sequence[int]],
@@ -93,70 +81,19 @@ def sample_trajectories(
     batch_size: int = 64,
     check: Callable[[], None] | None = None,
 ) -> list[Trajectory]:
-    """`group_size` samples per prompt, prompt-major order (trajectory i*G + g is sample g of prompt i).
-
-    `check` is called before every batch (the job's cancellation check raises from it)."""
-    if group_size < 1 or max_new_tokens < 1 or batch_size < 1:
-        raise ValueError("group_size, max_new_tokens and batch_size must be >= 1")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    eos = sorted(set(int(e) for e in eos_ids))
-    if not eos:
-        raise ValueError("at least one EOS token id is needed")
-    device = next(model.parameters()).device
-    eos_t = torch.tensor(eos, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    """`group_size` samples per prompt, prompt-major order (trajectory i*G + g is sample g of prompt i), from
+    the shared sampler (`forkrl.models.sampling.sample_tokens`). `check` is called before every batch."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
     rows = [(p, list(prompt_ids[p])) for p in range(len(prompt_ids)) for _ in range(group_size)]
-    if any(len(ids) == 0 for _, ids in rows):
-        raise ValueError("empty prompt")
-    # Batches hold prompts of one length only, so no prompt is ever padded: no position-id shifts, no
-    # fully-masked attention rows (eager float64 attention turns those into NaN that leaks into real rows),
-    # and a batched sample is computed exactly like an unbatched one.
-    by_len: dict[int, list[int]] = {}
-    for r, (_, ids) in enumerate(rows):
-        by_len.setdefault(len(ids), []).append(r)
-    responses: dict[int, list[int]] = {}
-    for members in by_len.values():
-        for start in range(0, len(members), batch_size):
-            chunk = members[start : start + batch_size]
-            if check is not None:
-                check()
-            ids = torch.tensor([rows[r][1] for r in chunk], dtype=torch.long, device=device)
-            for r, toks in zip(
-                chunk, _sample_batch(model, ids, temperature, max_new_tokens, eos_t, pad_id, gen), strict=True
-            ):
-                responses[r] = toks
-    out: list[Trajectory] = []
-    for r, (p, p_ids) in enumerate(rows):
-        resp, finished = trim_at_eos(responses[r], eos)
-        out.append(Trajectory(r, p, p_ids, resp, finished))
-    return out
-
-
-def _sample_batch(
-    model: nn.Module,
-    ids: Tensor,
-    temperature: float,
-    max_new_tokens: int,
-    eos_t: Tensor,
-    pad_id: int,
-    gen: torch.Generator,
-) -> list[list[int]]:
-    """Ancestral sampling with a KV cache for equal-length prompts; rows that hit EOS continue as pad."""
-    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    new_tokens: list[Tensor] = []
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    for step in range(max_new_tokens):
-        logits = out.logits[:, -1]
-        probs = torch.softmax(logits.to(_float_dtype(logits.dtype)) / temperature, dim=-1)
-        tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-        new_tokens.append(tok)
-        done |= torch.isin(tok, eos_t)
-        if bool(done.all()) or step == max_new_tokens - 1:
-            break
-        out = model(input_ids=tok[:, None], past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
-    return torch.stack(new_tokens, dim=1).tolist()
+    sampled = sample_tokens(
+        model, [ids for _, ids in rows], temperature=temperature, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+        pad_id=pad_id, seed=seed, batch_size=batch_size, check=check,
+    )  # fmt: skip
+    return [
+        Trajectory(r, p, p_ids, resp, finished)
+        for r, ((p, p_ids), (resp, finished)) in enumerate(zip(rows, sampled, strict=True))
+    ]
 
 
 def resolve_reward_name(reward: str, dataset: str) -> str:
@@ -174,20 +111,8 @@ def grade(trajs: Sequence[Trajectory], tokenizer, problems: Sequence, reward: st
         t.text = tokenizer.decode(t.response_ids, skip_special_tokens=True)
     texts = [t.text for t in trajs]
     probs = [problems[t.prompt_index] for t in trajs]
-    name = resolve_reward_name(reward, dataset)
-    try:
-        from forkrl.data.rewards import get_reward_fn
-    except ImportError:  # the core's reward module is not there yet: built-in exact match
-        get_reward_fn = None
-    if get_reward_fn is not None:
-        result = get_reward_fn(name)(texts, probs)
-        rewards = list(getattr(result, "rewards", result))
-    elif name == "exact_match":
-        from forkrl.data.tasks import extract_answer
-
-        rewards = [float(extract_answer(x) == p.answer) for x, p in zip(texts, probs, strict=True)]
-    else:
-        raise ValueError(f"reward {name!r} needs forkrl.data.rewards, which is not available")
+    result = get_reward_fn(resolve_reward_name(reward, dataset))(texts, probs)
+    rewards = list(getattr(result, "rewards", result))
     for t, r in zip(trajs, rewards, strict=True):
         t.reward = None if r is None else float(r)
         t.correct = t.reward is not None and t.reward > 0

@@ -219,7 +219,7 @@ def test_paths_are_confined_to_allowed_roots(env):
 
 
 def test_openapi_documents_every_request_field(env):
-    schema = env["client"].get("/openapi.json").json()["components"]["schemas"]["ProbeRequest"]["properties"]
+    schema = env["client"].get("/openapi.json").json()["components"]["schemas"]["ProbeParams"]["properties"]
     assert {
         "checkpoint_root",
         "steps",

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from forkrl.models.sampling import trim_at_eos
 from forkrl.probe.sampling import (
     pad_right,
     rank_bins,
@@ -16,7 +17,6 @@ from forkrl.probe.sampling import (
     seeded_generator,
     select_positions,
     token_stats,
-    trim_at_eos,
 )
 from tests.service_fixtures import build_random_llama
 
@@ -197,7 +197,7 @@ def test_select_positions_caps_per_cell_and_per_trajectory():
 
 
 def test_checkpoint_without_safetensors_is_refused(tmp_path):
-    from forkrl.probe.job import load_checkpoint
+    from forkrl.probe.checkpoints import load_checkpoint
 
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     (tmp_path / "pytorch_model.bin").write_bytes(b"a pickle would run code on load")
