@@ -12,7 +12,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
-from forkrl.training.config import describe_validation_error, from_proto, to_proto
+from forkrl.cli import describe_validation_error
+from forkrl.training.config import from_proto, to_proto
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_service.config import TrainerSettings
 from trainer_service.runs import Run, RunConflict, RunManager, UnknownRun
