@@ -75,13 +75,17 @@ def read_config_file(argv: list[str]) -> dict[str, Any]:
         path = argv[argv.index("--config") + 1]
     if not path:
         return {}
-    import tomllib
-
+    prog = StartRunArgs.model_config["cli_prog_name"]
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        print(f"{prog}: error: --config needs Python >= 3.11 (tomllib)", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as err:
-        print(f"{StartRunArgs.model_config['cli_prog_name']}: error: --config {path}: {err}", file=sys.stderr)
+        print(f"{prog}: error: --config {path}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
