@@ -6,72 +6,93 @@
     python clients/start_run.py --detach ...        # print the run id and return
     python clients/start_run.py --watch RUN_ID      # follow a run that is already going
 
-Every training flag maps 1:1 to a field of RunConfig (forkrl/training/config.py) and of the StartRun message.
-Bad values are rejected here, before anything is sent. Ctrl-C asks whether to stop the run or detach.
+Every training flag maps 1:1 to a field of RunConfig (forkrl/training/config.py) and of the StartRun message; the
+flags are generated from that model (its field docstrings are the --help). `--config run.toml` reads the same
+fields from a file, and flags override it. Bad values are rejected here, before anything is sent. Ctrl-C asks
+whether to stop the run or detach.
 Exit status: 0 when the run succeeded (or was stopped on request / detached), 1 when it failed, 2 for bad flags.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
-import typing
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from pydantic import ValidationError  # noqa: E402
+from pydantic import Field  # noqa: E402
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict  # noqa: E402
 
-from forkrl.training.config import RunConfig, describe_validation_error, to_proto  # noqa: E402
+from forkrl.cli import CliSettings, NamedEnvSource, parse_settings  # noqa: E402
+from forkrl.training.config import RunConfig, to_proto  # noqa: E402
 
-CLIENT_FLAGS = ("trainer_address", "detach", "watch", "connect_timeout_s")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python clients/start_run.py",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    train = parser.add_argument_group("run configuration (sent to the trainer)")
-    defaults = RunConfig()  # resolves env defaults (ENTROPY_TOP_FRAC, RL_DATASET_PATH) for the help text
-    for name, field in RunConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        ann = field.annotation
-        default = getattr(defaults, name)
-        kw: dict = {"help": field.description, "default": argparse.SUPPRESS}
-        if ann is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(ann) is typing.Literal:
-            kw["choices"] = typing.get_args(ann)
-        elif name == "rollout_addresses":
-            kw["nargs"] = "+"
-            kw["metavar"] = "HOST:PORT"
-        else:
-            base = [a for a in typing.get_args(ann) if a is not type(None)] or [ann]
-            kw["type"] = base[0]
-        kw["help"] = f"{field.description} [default: {default}]"
-        train.add_argument(flag, **kw)
-    client = parser.add_argument_group("client")
-    client.add_argument("--trainer-address", default=os.environ.get("TRAINER_ADDRESS", "127.0.0.1:50052"),
-                        help="trainer service host:port (env TRAINER_ADDRESS)")
-    client.add_argument("--detach", action="store_true", help="start the run, print its id and return")
-    client.add_argument("--watch", metavar="RUN_ID", help="follow an existing run instead of starting one")
-    client.add_argument("--connect-timeout-s", type=float, default=60.0,
-                        help="how long to wait for the trainer to become healthy")
-    return parser
+# Defaults the client takes from the environment (flags and --config override them).
+ENV_DEFAULTS = {
+    "entropy_top_frac": "ENTROPY_TOP_FRAC",
+    "dataset": "RL_DATASET_PATH",
+    "trainer_address": "TRAINER_ADDRESS",
+}
 
 
-def parse_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig]:
-    args = parser.parse_args(argv)
-    fields = {k: v for k, v in vars(args).items() if k not in CLIENT_FLAGS}
+class StartRunArgs(CliSettings, RunConfig):
+    """Start (or join) an RL run on the trainer service and follow it; the last five flags are the client's."""
+
+    model_config = SettingsConfigDict(cli_prog_name="python clients/start_run.py")
+
+    trainer_address: str = "127.0.0.1:50052"
+    """Trainer service host:port (env TRAINER_ADDRESS)."""
+    detach: bool = False
+    """Start the run, print its id and return."""
+    watch: str = ""
+    """RUN_ID: follow this run (already started) instead of starting one."""
+    connect_timeout_s: float = Field(60.0, gt=0)
+    """How long to wait for the trainer to become healthy."""
+    config: str = ""
+    """TOML file of run settings (field names as keys, e.g. entropy_top_frac = 0.2); flags override it."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # flags (CliApp puts them first) > the --config file (init values) > ENV_DEFAULTS > field defaults
+        return init_settings, NamedEnvSource(settings_cls, ENV_DEFAULTS)
+
+    def run_config(self) -> RunConfig:
+        return RunConfig(**self.model_dump(include=set(RunConfig.model_fields)))
+
+
+def read_config_file(argv: list[str]) -> dict[str, Any]:
+    """The settings of `--config FILE` (read before the flags are parsed, so that the flags override it)."""
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if "--config" in argv[:-1]:
+        path = argv[argv.index("--config") + 1]
+    if not path:
+        return {}
+    prog = StartRunArgs.model_config["cli_prog_name"]
     try:
-        config = RunConfig(**fields)
-    except ValidationError as err:
-        parser.exit(2, f"start_run.py: error: {describe_validation_error(err)}\n")
-    return args, config
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        print(f"{prog}: error: --config needs Python >= 3.11 (tomllib)", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        print(f"{prog}: error: --config {path}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def parse_args(argv: list[str] | None = None) -> StartRunArgs:
+    """Flags > --config file > ENV_DEFAULTS > defaults; exits 2 naming the flag and value when invalid."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return parse_settings(StartRunArgs, argv, **read_config_file(argv))
 
 
 def _fmt(values: dict, key: str, spec: str) -> str:
@@ -138,8 +159,8 @@ def ask_stop_or_detach(stub, pb2, run_id: str, num_steps: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, config = parse_config(parser, argv)
+    args = parse_args(argv)
+    config = args.run_config()
 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc

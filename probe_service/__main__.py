@@ -1,20 +1,23 @@
 """Start the probe service.
 
     python -m probe_service --host 127.0.0.1 --port 8000 --allowed-roots runs,models
+    python -m probe_service --help          # every flag; each also reads PROBE_<FLAG>
 
-Every flag can also be set as PROBE_<FLAG> in the environment (e.g. PROBE_PORT=8000).
+The CLI is parsed before torch is imported, so --help and bad flags answer at once.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 
 
-def main(argv: list[str] | None = None) -> int:
-    from probe_service.config import parse_settings
+def main(argv: Sequence[str] | None = None) -> int:
+    from forkrl.cli import parse_settings
+    from probe_service.config import ProbeSettings
 
-    settings = parse_settings(argv)  # parses (and answers --help) before torch is imported
+    settings = parse_settings(ProbeSettings, argv)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # read when torch is imported
         os.environ.setdefault(var, str(settings.threads))
     import signal

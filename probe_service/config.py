@@ -1,50 +1,56 @@
-"""Probe service settings: flags, PROBE_* environment variables, defaults (in that order of priority).
+"""Settings of the probe service: CLI flags (kebab-case, 1:1 with the fields) over `PROBE_*` variables.
 
-List settings take comma-separated values in flags and in the environment:
-    PROBE_ALLOWED_ROOTS=runs,models python -m probe_service
+    python -m probe_service --port 8000 --allowed-roots runs,models
+    PROBE_ALLOWED_ROOTS=runs,models PROBE_DEVICE=cuda python -m probe_service
+
+List settings take comma-separated values, in flags and in the environment. Imports nothing heavy: `--help`
+must stay instant.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
+
+from forkrl.cli import CliSettings
 
 
-class ProbeSettings(BaseSettings):
-    """Settings of one probe service process."""
+class ProbeSettings(CliSettings):
+    """HTTP probe service: entropy-binned gradient statistics of RL checkpoints (POST /probe)."""
 
-    model_config = SettingsConfigDict(env_prefix="PROBE_")
+    model_config = SettingsConfigDict(env_prefix="PROBE_", cli_prog_name="python -m probe_service")
 
-    host: str = Field(default="127.0.0.1", description="Address to bind (loopback by default).")
-    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port.")
-    allowed_roots: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: ["runs", "models"],
-        description="Directories the service may read checkpoints and datasets from (comma-separated). Every "
-        "requested path must resolve, symlinks followed, inside one of them.",
-    )
-    jobs_dir: str = Field(default="probe_jobs", description="Where each job's output directory is created.")
-    max_concurrent_jobs: int = Field(default=1, ge=1, le=64, description="Jobs that run at the same time.")
-    max_queued_jobs: int = Field(
-        default=4, ge=0, le=10_000, description="Jobs that may wait for a free worker; beyond that POST gets 429."
-    )
-    threads: int = Field(default=1, ge=1, le=256, description="torch threads for sampling and gradients.")
-    device: str = Field(default="auto", description="torch device for jobs: auto (cuda if present), cpu, cuda.")
-    wait_timeout_s: float = Field(
-        default=3600.0, gt=0, description="Longest time POST /probe?wait=true blocks before answering 202."
-    )
-    allow_custom_rewards: bool = Field(
-        default=False,
-        description="Accept reward='package.module:function' in requests (imports and runs that code).",
-    )
-    log_level: str = Field(default="info", description="uvicorn log level.")
+    host: str = "127.0.0.1"
+    """Address to bind (loopback by default)."""
+    port: int = Field(8000, ge=0, le=65535)
+    """HTTP port."""
+    allowed_roots: Annotated[list[str], NoDecode] = ["runs", "models"]
+    """Directories the service may read checkpoints and datasets from (comma-separated). Every requested path
+    must resolve, symlinks followed, inside one of them."""
+    jobs_dir: str = "probe_jobs"
+    """Where each job's output directory is created."""
+    max_concurrent_jobs: int = Field(1, ge=1, le=64)
+    """Jobs that run at the same time."""
+    max_queued_jobs: int = Field(4, ge=0, le=10_000)
+    """Jobs that may wait for a free worker; beyond that POST gets 429."""
+    threads: int = Field(1, ge=1, le=256)
+    """torch threads for sampling and gradients."""
+    device: str = "auto"
+    """torch device for jobs: auto (cuda if present), cpu, cuda."""
+    wait_timeout_s: float = Field(3600.0, gt=0)
+    """Longest time POST /probe?wait=true blocks before answering 202."""
+    allow_custom_rewards: bool = False
+    """Accept reward='package.module:function' in requests (imports and runs that code)."""
+    log_level: str = "info"
+    """uvicorn log level."""
 
     @field_validator("allowed_roots", mode="before")
     @classmethod
     def _split_roots(cls, v: object) -> object:
+        # PROBE_ALLOWED_ROOTS=a,b arrives as one string (NoDecode: not JSON); the CLI splits commas itself
         if isinstance(v, str):
             return [p.strip() for p in v.split(",") if p.strip()]
         return v
@@ -58,21 +64,3 @@ class ProbeSettings(BaseSettings):
 
     def resolved_roots(self) -> list[Path]:
         return [Path(r).expanduser().resolve() for r in self.allowed_roots]
-
-
-def parse_settings(argv: list[str] | None = None) -> ProbeSettings:
-    parser = argparse.ArgumentParser(
-        prog="python -m probe_service",
-        description="HTTP probe service: entropy-binned gradient statistics of RL checkpoints (POST /probe).",
-    )
-    for name, field in ProbeSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = f"PROBE_{name.upper()}"
-        default = field.default_factory() if field.default_factory else field.default
-        if field.annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
-            continue
-        kind = {int: int, float: float}.get(field.annotation, str)
-        parser.add_argument(flag, type=kind, default=None, help=f"{field.description} (default: {default}; env {env})")
-    args = parser.parse_args(argv)
-    return ProbeSettings(**{k: v for k, v in vars(args).items() if v is not None})

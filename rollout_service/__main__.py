@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rollout_service.config import apply_engine_env, parse_cli
+    from forkrl.cli import parse_settings
+    from rollout_service.config import RolloutSettings, apply_engine_env
 
-    settings = parse_cli(argv)
+    settings = parse_settings(RolloutSettings, argv)
     apply_engine_env(settings)  # read by vLLM/torch at import: before the imports below
     import asyncio
     import logging

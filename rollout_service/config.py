@@ -8,23 +8,18 @@ Imports nothing heavy: `--help` must stay instant.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import Field, ValidationError
-from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from forkrl.cli import CliSettings
 
 
-class RolloutSettings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="ROLLOUT_",
-        cli_prog_name="python -m rollout_service",
-        cli_kebab_case=True,
-        cli_implicit_flags=True,
-        use_attribute_docstrings=True,
-        extra="forbid",
-    )
+class RolloutSettings(CliSettings):
+    """gRPC rollout service: vLLM's async engine behind Generate, UpdateWeights, LoadWeights and GetInfo."""
+
+    model_config = SettingsConfigDict(env_prefix="ROLLOUT_", cli_prog_name="python -m rollout_service")
 
     model: str
     """HF checkpoint directory to serve (config.json, tokenizer files, *.safetensors). Its safetensors
@@ -65,17 +60,6 @@ class RolloutSettings(BaseSettings):
     carry many prompts)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level of the service (vLLM's own logging follows VLLM_LOGGING_LEVEL)."""
-
-
-def parse_cli(argv: Sequence[str] | None = None) -> RolloutSettings:
-    """Settings from CLI flags over ROLLOUT_* variables; exits with a readable message when invalid."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return CliApp.run(RolloutSettings, cli_args=args)
-    except ValidationError as e:
-        lines = [f"  --{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}" for err in e.errors()]
-        print("invalid rollout service settings:\n" + "\n".join(lines), file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def apply_engine_env(settings: RolloutSettings) -> None:

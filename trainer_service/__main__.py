@@ -1,19 +1,22 @@
 """Start the trainer service.
 
     python -m trainer_service --host 127.0.0.1 --port 50052 --runs-root runs
+    python -m trainer_service --help          # every flag; each also reads TRAINER_<FLAG>
 
-Every flag can also be set as TRAINER_<FLAG> in the environment (e.g. TRAINER_PORT=50052).
+The CLI is parsed before torch is imported, so --help and bad flags answer at once.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 
-def main(argv: list[str] | None = None) -> int:
-    from trainer_service.config import parse_settings
+def main(argv: Sequence[str] | None = None) -> int:
+    from forkrl.cli import parse_settings
+    from trainer_service.config import TrainerSettings
 
-    settings = parse_settings(argv)  # parses (and answers --help) before torch is imported
+    settings = parse_settings(TrainerSettings, argv)
     from trainer_service.server import serve
 
     return serve(settings)

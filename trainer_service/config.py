@@ -1,39 +1,35 @@
-"""Trainer service settings: flags, TRAINER_* environment variables, defaults (in that order of priority)."""
+"""Settings of the trainer service: CLI flags (kebab-case, 1:1 with the fields) over `TRAINER_*` variables.
+
+    python -m trainer_service --port 50052 --runs-root runs
+    TRAINER_DEVICE=cuda python -m trainer_service --no-tensorboard
+
+Imports nothing heavy: `--help` must stay instant.
+"""
 
 from __future__ import annotations
 
-import argparse
-
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from forkrl.cli import CliSettings
 
 
-class TrainerSettings(BaseSettings):
-    """Settings of one trainer service process."""
+class TrainerSettings(CliSettings):
+    """gRPC trainer service: owns RL runs (StartRun, WatchRun, GetRun, StopRun)."""
 
-    model_config = SettingsConfigDict(env_prefix="TRAINER_")
+    model_config = SettingsConfigDict(env_prefix="TRAINER_", cli_prog_name="python -m trainer_service")
 
-    host: str = Field(default="127.0.0.1", description="Address to bind (loopback by default).")
-    port: int = Field(default=50052, ge=0, le=65535, description="gRPC port (0 = pick a free one and print it).")
-    runs_root: str = Field(default="runs", description="Where runs without an explicit run_dir are written.")
-    threads: int = Field(default=1, ge=1, description="torch threads for the training forward/backward.")
-    device: str = Field(default="auto", description="torch device for training: auto (cuda if present), cpu, cuda.")
-    grace_s: float = Field(default=10.0, ge=0, description="SIGTERM: seconds to let in-flight RPCs finish.")
-    tensorboard: bool = Field(default=True, description="Also write TensorBoard event files into the run dir.")
-
-
-def parse_settings(argv: list[str] | None = None) -> TrainerSettings:
-    parser = argparse.ArgumentParser(
-        prog="python -m trainer_service",
-        description="gRPC trainer service: owns RL runs (StartRun, WatchRun, GetRun, StopRun).",
-    )
-    for name, field in TrainerSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
-        else:
-            parser.add_argument(flag, type=field.annotation, default=None,
-                                help=f"{field.description} (default: {field.default}; env TRAINER_{name.upper()})")
-    args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
-    return TrainerSettings(**overrides)
+    host: str = "127.0.0.1"
+    """Address to bind (loopback by default)."""
+    port: int = Field(50052, ge=0, le=65535)
+    """gRPC port (0 = pick a free one and print it)."""
+    runs_root: str = "runs"
+    """Where runs without an explicit run_dir are written."""
+    threads: int = Field(1, ge=1)
+    """torch threads for the training forward/backward."""
+    device: str = "auto"
+    """torch device for training: auto (cuda if present), cpu, cuda."""
+    grace_s: float = Field(10.0, ge=0)
+    """SIGTERM: seconds to let in-flight RPCs finish."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files into the run dir."""

@@ -1,7 +1,8 @@
 """Run bookkeeping: one active run at a time, its thread, its event history and its state.
 
-The training loop runs in its own thread so the gRPC event loop (health, WatchRun, GetRun) stays
-responsive. Watchers read the run's history from any index: joining late replays everything.
+The training loop (forkrl/training/loop.py: run_training, which sees a Run through its RunHandle protocol)
+runs in its own thread so the gRPC event loop (health, WatchRun, GetRun) stays responsive. Watchers read the
+run's history from any index: joining late replays everything.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class Run:
             return self.history[index:], self.state in TERMINAL
 
 
-# The loop: (run, emit-capable Run) -> None; raises on failure. Injected so tests can drive the manager.
+# The loop: Run -> None (forkrl.training.loop.run_training); raises on failure. Injected so tests can drive
+# the manager.
 LoopFn = Callable[[Run], None]
 
 

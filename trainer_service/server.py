@@ -1,10 +1,12 @@
-"""grpc.aio wiring of the trainer service: transport only; runs live in runs.py, the loop in loop.py."""
+"""grpc.aio wiring of the trainer service: transport only. Runs (threads, states) live in runs.py; the config is
+resolved once here, in StartRun (forkrl/training/preflight.py), and the loop is forkrl/training/loop.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -12,7 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
-from forkrl.training.config import describe_validation_error, from_proto, to_proto
+from forkrl.cli import describe_validation_error
+from forkrl.training.config import RunConfig, from_proto, to_proto
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_service.config import TrainerSettings
 from trainer_service.runs import Run, RunConflict, RunManager, UnknownRun
@@ -44,7 +47,7 @@ def _item_pb(item: dict) -> trainer_pb2.WatchRunResponse:
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    def __init__(self, manager: RunManager, preflight) -> None:
+    def __init__(self, manager: RunManager, preflight: Callable[[RunConfig], RunConfig]) -> None:
         self.manager = manager
         self.preflight = preflight
 
@@ -61,7 +64,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         except ValidationError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(err))
         try:
-            config = await asyncio.to_thread(self.preflight, config, self.manager.runs_root)
+            config = await asyncio.to_thread(self.preflight, config)  # the only resolve: the loop gets it as is
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except FileNotFoundError as err:
@@ -102,11 +105,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 async def _serve(settings: TrainerSettings) -> int:
-    from trainer_service.loop import preflight, run_training
+    from forkrl.training.loop import run_training
+    from forkrl.training.preflight import preflight
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
-    manager = RunManager(Path(settings.runs_root), lambda run: run_training(run, settings))
+    manager = RunManager(Path(settings.runs_root),
+                         lambda run: run_training(run, device=settings.device, tensorboard=settings.tensorboard))
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(manager, preflight), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

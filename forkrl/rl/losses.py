@@ -65,7 +65,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from forkrl.rl.mask import MASK_SCOPES, check_top_frac, kept_denominator, mask_is_on
+from forkrl.rl.mask import kept_denominator
+from forkrl.rl.options import (
+    AGGREGATORS,
+    LOSS_NAMES,
+    MASK_NORMS,
+    MASK_SCOPES,
+    Aggregator,
+    LossName,
+    MaskNorm,
+    MaskScope,
+    check_top_frac,
+    mask_is_on,
+)
 
 __all__ = [
     "AGGREGATORS",
@@ -73,14 +85,12 @@ __all__ = [
     "LOSS_NAMES",
     "MASK_NORMS",
     "LossConfig",
+    "LossName",
     "StepDenominator",
     "policy_loss",
     "step_denominator",
 ]
 
-LOSS_NAMES = ("grpo", "dr_grpo", "dapo", "reinforce", "rloo", "gspo", "cispo")
-AGGREGATORS = ("token_mean", "seq_mean_token_mean", "seq_sum_const", "seq_mean_token_sum")
-MASK_NORMS = ("kept", "all")
 DEFAULT_CISPO_MAX_WEIGHT = 5.0  # TRL default citing ScaleRL (§3.6, §7); verl's example is 1.2
 
 _DEFAULT_AGG = {
@@ -110,17 +120,17 @@ class LossConfig:
     mask_scope: "microbatch" | "step" (only used to count kept tokens in step_denominator).
     """
 
-    name: str
+    name: LossName
     clip_low: float | None = None
     clip_high: float | None = None
     dual_clip_c: float | None = None
     kl_beta: float = 0.0
     cispo_max_weight: float | None = None
     max_len: int | None = None
-    agg: str | None = None
-    mask_norm: str | None = None
+    agg: Aggregator | None = None
+    mask_norm: MaskNorm | None = None
     entropy_top_frac: float | None = None
-    mask_scope: str = "microbatch"
+    mask_scope: MaskScope = "microbatch"
 
     def __post_init__(self) -> None:
         n = self.name

@@ -34,6 +34,8 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
+from forkrl.rl.options import MASK_SCOPES, check_top_frac, mask_is_on
+
 __all__ = [
     "MASK_SCOPES",
     "MaskResult",
@@ -44,8 +46,6 @@ __all__ = [
     "mask_is_on",
     "masks_for_step",
 ]
-
-MASK_SCOPES = ("microbatch", "step")
 
 
 @dataclass(frozen=True)
@@ -64,22 +64,6 @@ class MaskResult:
     kept: int
     total: int
     kept_frac: float
-
-
-def check_top_frac(top_frac: float | None) -> None:
-    """Raise ValueError unless top_frac is None or in (0, 1]."""
-    if top_frac is None:
-        return
-    if isinstance(top_frac, bool) or not isinstance(top_frac, (int, float)):
-        raise ValueError(f"entropy_top_frac must be a float in (0, 1] or None, got {top_frac!r}")
-    if not (0.0 < top_frac <= 1.0):  # NaN fails too
-        raise ValueError(f"entropy_top_frac must be in (0, 1], got {top_frac}")
-
-
-def mask_is_on(top_frac: float | None) -> bool:
-    """True when rho actually drops tokens (rho < 1)."""
-    check_top_frac(top_frac)
-    return top_frac is not None and top_frac < 1.0
 
 
 def kept_count(n_tokens: int, top_frac: float | None) -> int:

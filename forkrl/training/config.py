@@ -1,107 +1,114 @@
 """The training-run configuration: one pydantic model shared by the client and the trainer service.
 
 Every field's docstring is its `--help` line in `clients/start_run.py` (flags are the field names in
-kebab-case) and its meaning in `RunConfig` of `proto/forkrl/trainer/v1/trainer.proto`. The client validates
-with this model before sending anything; the service validates the received message again with the same
-model and answers INVALID_ARGUMENT with the same message.
+kebab-case, generated from this model) and its meaning in `RunConfig` of `proto/forkrl/trainer/v1/trainer.proto`.
+The client validates with this model before sending anything; the service validates the received message
+again with the same model and answers INVALID_ARGUMENT with the same message. `loss_config()` turns a
+validated config into the loss's own `LossConfig`.
+
+Imports nothing heavy (no torch): the client's `--help` must answer at once.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-LOSSES = ("grpo", "dr_grpo", "dapo", "reinforce", "rloo", "gspo", "cispo")
-LossName = Literal["grpo", "dr_grpo", "dapo", "reinforce", "rloo", "gspo", "cispo"]
+from forkrl.rl.options import LossName, MaskNorm, MaskScope, check_top_frac
 
+if TYPE_CHECKING:
+    from forkrl.rl.losses import LossConfig
 
-def _env_float(name: str) -> float | None:
-    raw = os.environ.get(name, "").strip()
-    return float(raw) if raw else None
+WeightSync = Literal["stream", "path"]
+"""How the trainer pushes weights: streamed over gRPC (UpdateWeights) or through the run dir (LoadWeights)."""
 
 
 class RunConfig(BaseModel):
     """A whole RL run. Unset optional fields take the loss's documented defaults."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
-    model: str = Field(
-        default="",
-        description="Local HF checkpoint dir of the initial policy (the model the rollout service serves); "
-        "empty = the embedded tiny model (FORKRL_MODEL_DIR or models/tiny).",
-    )
-    task: str = Field(default="", description="Built-in task (used when no dataset is given); empty = default.")
-    dataset: str = Field(
-        default_factory=lambda: os.environ.get("RL_DATASET_PATH", ""),
-        description="JSONL dataset of prompts and answers (default: $RL_DATASET_PATH); overrides --task.",
-    )
-    reward: str = Field(
-        default="",
-        description="Reward function: exact_match, math_verify or module:function; empty = the task's default "
-        "(exact_match for the built-in task, math_verify for a dataset).",
-    )
-    loss: LossName = Field(default="grpo", description="Policy loss: " + ", ".join(LOSSES) + ".")
-    entropy_top_frac: float | None = Field(
-        default_factory=lambda: _env_float("ENTROPY_TOP_FRAC"),
-        description="Train only on this top fraction of response tokens by entropy, in (0, 1] (paper: 0.2); "
-        "default $ENTROPY_TOP_FRAC, unset = all tokens.",
-    )
-    mask_scope: Literal["microbatch", "step"] = Field(
-        default="microbatch", description="Where the top-k is taken: per micro-batch (paper) or per optimizer step."
-    )
-    mask_norm: Literal["kept", "all"] = Field(
-        default="kept", description="Token normalizer under the mask: kept tokens (paper v2) or all tokens (TRL)."
-    )
-    num_steps: int = Field(default=100, ge=1, description="Optimizer steps (one rollout batch each).")
-    prompts_per_step: int = Field(default=32, ge=1, description="Prompts drawn per step.")
-    group_size: int = Field(default=8, ge=1, description="Samples per prompt (G).")
-    max_new_tokens: int = Field(default=0, ge=0, description="Max generated tokens; 0 = the task's default.")
-    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature (also used for logp and entropy).")
-    lr: float = Field(
-        default=3e-4, gt=0, description="AdamW learning rate (3e-4 suits the tiny model; ~1e-6 for LLMs).",
-    )
-    clip_low: float | None = Field(default=None, ge=0, description="PPO clip epsilon low; unset = the loss's default.")
-    clip_high: float | None = Field(
-        default=None, ge=0, description="PPO clip epsilon high; unset = the loss's default."
-    )
-    micro_batch_size: int = Field(default=64, ge=1, description="Sequences per micro-batch (gradient accumulation).")
-    save_every: int = Field(default=0, ge=0, description="Checkpoint every N steps (0 = only the final one).")
-    run_dir: str = Field(default="", description="Run directory; empty = <runs root>/<run id>.")
-    resume: bool = Field(default=False, description="Continue from the latest checkpoint in --run-dir.")
-    seed: int = Field(default=0, ge=0, description="Seed for data order, sampling and tie-breaks.")
-    rollout_addresses: list[str] = Field(
-        default_factory=lambda: ["127.0.0.1:50051"], description="Rollout service address(es), host:port."
-    )
-    kl_beta: float = Field(default=0.0, ge=0, description="k3 KL coefficient against the initial policy (0 = off).")
-    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warm-up steps.")
-    dynamic_sampling: bool = Field(
-        default=False, description="DAPO dynamic sampling: keep only groups with mixed rewards, refill the batch."
-    )
-    max_gen_batches: int = Field(default=3, ge=1, description="Dynamic sampling: max generation rounds per step.")
-    dual_clip_c: float | None = Field(default=None, gt=1, description="Dual-clip constant c for A < 0 (off if unset).")
-    cispo_max_weight: float | None = Field(
-        default=None, gt=0, description="CISPO: absolute cap on the detached IS weight; unset = the loss default."
-    )
-    weight_sync: Literal["stream", "path"] = Field(
-        default="stream", description="Push weights by streaming (UpdateWeights) or through the run dir (LoadWeights)."
-    )
-    eval_every: int = Field(default=0, ge=0, description="Evaluate accuracy every N steps (0 = before and after only).")
-    eval_prompts: int = Field(default=128, ge=0, description="Eval-split prompts per evaluation (0 = no eval).")
-    adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1.")
-    adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="AdamW beta2.")
-    overlong_cache_len: int = Field(
-        default=0, ge=0, description="DAPO soft overlong punishment: length of the penalty ramp (0 = off)."
-    )
+    model: str = ""
+    """Local HF checkpoint dir of the initial policy (the model the rollout service serves); empty = the embedded
+    tiny model (FORKRL_MODEL_DIR or models/tiny)."""
+    task: str = ""
+    """Built-in task (used when no dataset is given); empty = default."""
+    dataset: str = ""
+    """JSONL dataset of prompts and answers; overrides --task. The client defaults it to $RL_DATASET_PATH."""
+    reward: str = ""
+    """Reward function: exact_match, math_verify or module:function; empty = the task's default (exact_match for
+    the built-in task, math_verify for a dataset)."""
+    loss: LossName = "grpo"
+    """Policy loss (advantage, per-token term, aggregation and default clip of each: forkrl/rl/losses.py)."""
+    entropy_top_frac: float | None = None
+    """Train only on this top fraction of response tokens by entropy, in (0, 1] (paper: 0.2); unset = all tokens.
+    The client defaults it to $ENTROPY_TOP_FRAC."""
+    mask_scope: MaskScope = "microbatch"
+    """Where the top-k is taken: per micro-batch (paper) or per optimizer step."""
+    mask_norm: MaskNorm = "kept"
+    """Token normalizer under the mask: kept tokens (paper v2) or all tokens (TRL)."""
+    num_steps: int = Field(100, ge=1)
+    """Optimizer steps (one rollout batch each)."""
+    prompts_per_step: int = Field(32, ge=1)
+    """Prompts drawn per step."""
+    group_size: int = Field(8, ge=1)
+    """Samples per prompt (G)."""
+    max_new_tokens: int = Field(0, ge=0)
+    """Max generated tokens; 0 = the task's default."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (also used for logp and entropy)."""
+    lr: float = Field(3e-4, gt=0)
+    """AdamW learning rate (3e-4 suits the tiny model; ~1e-6 for LLMs)."""
+    clip_low: float | None = Field(None, ge=0)
+    """PPO clip epsilon low; unset = the loss's default."""
+    clip_high: float | None = Field(None, ge=0)
+    """PPO clip epsilon high; unset = the loss's default."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per micro-batch (gradient accumulation)."""
+    save_every: int = Field(0, ge=0)
+    """Checkpoint every N steps (0 = only the final one)."""
+    run_dir: str = ""
+    """Run directory; empty = <runs root>/<run id>."""
+    resume: bool = False
+    """Continue from the latest checkpoint in --run-dir."""
+    seed: int = Field(0, ge=0)
+    """Seed for data order, sampling and tie-breaks."""
+    rollout_addresses: list[str] = ["127.0.0.1:50051"]
+    """Rollout service address(es), host:port; several as a comma-separated list or a repeated flag."""
+    kl_beta: float = Field(0.0, ge=0)
+    """k3 KL coefficient against the initial policy (0 = off)."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping norm."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up steps."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: keep only groups with mixed rewards, refill the batch."""
+    max_gen_batches: int = Field(3, ge=1)
+    """Dynamic sampling: max generation rounds per step."""
+    dual_clip_c: float | None = Field(None, gt=1)
+    """Dual-clip constant c for A < 0 (off if unset)."""
+    cispo_max_weight: float | None = Field(None, gt=0)
+    """CISPO: absolute cap on the detached IS weight; unset = the loss default."""
+    weight_sync: WeightSync = "stream"
+    """Push weights by streaming (UpdateWeights) or through the run dir (LoadWeights)."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate accuracy every N steps (0 = before and after only)."""
+    eval_prompts: int = Field(128, ge=0)
+    """Eval-split prompts per evaluation (0 = no eval)."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    """AdamW beta2."""
+    overlong_cache_len: int = Field(0, ge=0)
+    """DAPO soft overlong punishment: length of the penalty ramp (0 = off)."""
 
     @field_validator("entropy_top_frac")
     @classmethod
     def _check_frac(cls, v: float | None) -> float | None:
-        if v is not None and not (0.0 < v <= 1.0):
-            raise ValueError(f"entropy_top_frac must be in (0, 1], got {v}")
+        check_top_frac(v)
         return v
 
     @field_validator("rollout_addresses")
@@ -127,72 +134,66 @@ class RunConfig(BaseModel):
             raise ValueError("resume needs run_dir (the run to continue)")
         return self
 
+    def loss_config(self) -> LossConfig:
+        """The loss settings of this run. Call it on a resolved config (max_new_tokens filled in: it is L_max
+        of dr_grpo's constant normalizer). Raises ValueError for a combination the loss cannot honour."""
+        from forkrl.rl.losses import LossConfig  # torch: only where the loss is built, never for the CLI
 
-def describe_validation_error(err: ValidationError) -> str:
-    """One line per problem, naming the field: 'entropy_top_frac: entropy_top_frac must be in (0, 1], got 1.5'."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "config"
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(msg if "got" in msg else f"{loc}: {msg}, got {e.get('input')!r}")
-    return "; ".join(lines)
+        return LossConfig(
+            name=self.loss, clip_low=self.clip_low, clip_high=self.clip_high, dual_clip_c=self.dual_clip_c,
+            kl_beta=self.kl_beta, cispo_max_weight=self.cispo_max_weight, max_len=self.max_new_tokens,
+            mask_norm=self.mask_norm, entropy_top_frac=self.entropy_top_frac, mask_scope=self.mask_scope,
+        )
 
 
 # ---- proto conversion (pb2 modules are plain protobuf messages: no grpc import) ----
+# Derived from the message descriptor by name, never from a hand-kept table: a Literal field maps to the
+# proto enum of the same field (value "dr_grpo" <-> LOSS_DR_GRPO, the prefix taken from *_UNSPECIFIED), and
+# proto3 `optional` fields carry presence (unset -> None where the model allows None, else the model default).
 
-_ENUMS = {
-    "loss": ("Loss", "LOSS_"),
-    "mask_scope": ("MaskScope", "MASK_SCOPE_"),
-    "mask_norm": ("MaskNorm", "MASK_NORM_"),
-    "weight_sync": ("WeightSync", "WEIGHT_SYNC_"),
-}
-# proto3 `optional` fields: presence is explicit. Nullable ones map unset → None; the others (where 0 is a
-# valid value) map unset → the model default.
-_OPTIONAL = ("entropy_top_frac", "clip_low", "clip_high", "dual_clip_c", "cispo_max_weight")
-_PRESENCE = ("eval_prompts", "adam_beta1", "adam_beta2")
+
+def _enum_prefix(enum_type: Any) -> str:
+    return enum_type.values_by_number[0].name.removesuffix("UNSPECIFIED")
 
 
 def to_proto(cfg: RunConfig) -> Any:
     from forkrl.wire.trainer.v1 import trainer_pb2
 
     msg = trainer_pb2.RunConfig()
+    fields = msg.DESCRIPTOR.fields_by_name
     for name, value in cfg.model_dump().items():
-        if name in _ENUMS:
-            enum_name, prefix = _ENUMS[name]
-            setattr(msg, name, getattr(trainer_pb2, enum_name).Value(prefix + value.upper()))
+        if fields[name].enum_type is not None:
+            enum_type = fields[name].enum_type
+            setattr(msg, name, enum_type.values_by_name[_enum_prefix(enum_type) + value.upper()].number)
         elif name == "rollout_addresses":
             msg.rollout_addresses.extend(value)
-        elif value is None:
-            continue
-        else:
+        elif value is not None:
             setattr(msg, name, value)
     return msg
 
 
 def from_proto(msg: Any) -> RunConfig:
     """Proto → validated RunConfig. Unset enums/zero scalars take the model defaults."""
-    from forkrl.wire.trainer.v1 import trainer_pb2
-
     defaults = RunConfig.model_construct()
+    fields = msg.DESCRIPTOR.fields_by_name
     data: dict[str, Any] = {}
-    for name in RunConfig.model_fields:
-        if name in _ENUMS:
-            enum_name, prefix = _ENUMS[name]
-            value = getattr(msg, name)
-            if value != 0:
-                data[name] = getattr(trainer_pb2, enum_name).Name(value).removeprefix(prefix).lower()
-        elif name in _OPTIONAL:
-            data[name] = getattr(msg, name) if msg.HasField(name) else None
-        elif name in _PRESENCE:
-            if msg.HasField(name):
-                data[name] = getattr(msg, name)
+    for name, info in RunConfig.model_fields.items():
+        field = fields[name]
+        value = getattr(msg, name)
+        if field.enum_type is not None:
+            if value != 0:  # an unknown number goes through as is: the Literal check names the field
+                known = field.enum_type.values_by_number.get(value)
+                data[name] = known.name.removeprefix(_enum_prefix(field.enum_type)).lower() if known else value
         elif name == "rollout_addresses":
-            if msg.rollout_addresses:
-                data[name] = list(msg.rollout_addresses)
-        else:
-            value = getattr(msg, name)
-            # proto3 scalars cannot say "unset": a zero means "use the default" for fields whose default
-            # is not zero (for all of them 0 is invalid); fields where 0 is valid are in _PRESENCE.
-            if isinstance(value, str) or value or getattr(defaults, name, None) in (0, 0.0, False):
+            if value:
+                data[name] = list(value)
+        elif field.has_presence:
+            if msg.HasField(name):
                 data[name] = value
+            elif info.default is None:
+                data[name] = None
+        # proto3 scalars cannot say "unset": a zero means "use the default" for fields whose default is not
+        # zero (for all of them 0 is invalid); fields where 0 is valid and the default is not are `optional`.
+        elif isinstance(value, str) or value or getattr(defaults, name, None) in (0, 0.0, False):
+            data[name] = value
     return RunConfig(**data)

@@ -90,7 +90,8 @@ def test_three_step_run_through_the_client(rollout_address, trainer, tiny_model_
     for m in lines:
         # one micro-batch per step: exactly ceil(0.2 * N) of the N response tokens are kept
         assert m["kept_tokens"] == max(1, math.ceil(0.2 * m["response_tokens"] - 1e-9))
-        assert m["kept_frac"] == pytest.approx(0.2, abs=0.5 / m["response_tokens"] + 1e-9)
+        # kept = ceil(0.2 N), so 0 <= kept / N - 0.2 < 1 / N (a ceiling can add up to one whole token)
+        assert -1e-12 <= m["kept_frac"] - 0.2 < 1 / m["response_tokens"]
         assert m["entropy_kept_mean"] >= m["entropy_mean"]
         assert m["logp_delta_max"] < 1e-3  # the rollout engine served exactly the trainer's policy
         for key in (
@@ -161,8 +162,8 @@ def test_bad_start_run_fields_and_second_run(rollout_address, trainer, tiny_mode
 def test_client_rejects_bad_flags_before_sending() -> None:
     for flags, needle in (
         (["--entropy-top-frac", "1.5"], "entropy_top_frac must be in (0, 1], got 1.5"),
-        (["--loss", "ppo"], "invalid choice: 'ppo'"),
-        (["--num-steps", "0"], "num_steps"),
+        (["--loss", "ppo"], "--loss: Input should be 'grpo'"),
+        (["--num-steps", "0"], "--num-steps: Input should be greater than or equal to 1, got '0'"),
         (["--loss", "rloo", "--group-size", "1"], "group_size >= 2"),
     ):
         # an unreachable trainer address: the client must fail on the flags, never try to connect
@@ -255,7 +256,7 @@ def test_resume_after_kill_9_gives_the_same_weights(rollout_address, tiny_model_
 def test_prompts_spread_over_several_rollout_services_sample_identically(rollout_address) -> None:
     """Sharding prompts over N rollout addresses must not change a single sample (seeds follow the global
     prompt index), so runs and resumes do not depend on how many rollout services there are."""
-    from trainer_service.loop import Rollouts
+    from forkrl.training.rollouts import Rollouts
 
     prompts = [f"{a}+{b}+{c}=" for a, b, c in ((1, 2, 3), (45, 6, 78), (9, 90, 9), (12, 34, 56), (7, 0, 70))]
     one = Rollouts([rollout_address]).generate(prompts, n=3, temperature=1.0, max_new_tokens=11, seed=42)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from forkrl.data.order import DataOrder
 from forkrl.data.tasks import make_split
-from trainer_service.loop import DataOrder
 
 
 def test_order_resumes_from_a_cursor_and_each_epoch_is_a_permutation() -> None:

@@ -1,0 +1,118 @@
+"""The one config mechanism of every entry point: pydantic-settings models whose attribute docstrings are the
+`--help`, parsed by `pydantic_settings.CliApp`.
+
+    class TrainerSettings(CliSettings):
+        model_config = SettingsConfigDict(env_prefix="TRAINER_", cli_prog_name="python -m trainer_service")
+
+        port: int = Field(50052, ge=0, le=65535)
+        \"\"\"gRPC port (0 = pick a free one and print it).\"\"\"
+
+    settings = parse_settings(TrainerSettings)     # flags > TRAINER_* variables > defaults; bad values exit 2
+
+Flags are the field names in kebab-case (`--runs-root` <-> `runs_root`), booleans are `--x/--no-x`, list
+fields take comma-separated values or a repeated flag. Used by `python -m rollout_service`, `-m trainer_service`,
+`-m probe_service` and `clients/start_run.py`. Imports nothing heavy: parse before torch/vLLM are imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, CliApp, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+class CliSettings(BaseSettings):
+    """Base of every settings model with a CLI; subclasses add env_prefix and cli_prog_name."""
+
+    model_config = SettingsConfigDict(
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_hide_none_type=True,
+        cli_avoid_json=True,
+        use_attribute_docstrings=True,
+        extra="forbid",
+    )
+
+
+def validation_problems(err: ValidationError, *, flags: bool = False, env_prefix: str = "") -> Iterator[str]:
+    """One readable line per problem, naming the field (or with flags=True its `--flag`, and its variable
+    when the model reads `env_prefix`* variables) and the value.
+
+    'entropy_top_frac must be in (0, 1], got 1.5' (our validators already name both);
+    'num_steps: Input should be greater than or equal to 1, got 0' (pydantic's own checks).
+    """
+    for e in err.errors():
+        msg = e["msg"].removeprefix("Value error, ")
+        field = str(e["loc"][0]) if e["loc"] else ""
+        if not field:  # a model-level rule (several fields): its message says what is wrong
+            yield msg
+            continue
+        if e["type"] == "extra_forbidden":
+            yield f"unknown setting {field!r}"
+            continue
+        if e["type"] == "missing":
+            msg = "required, not given"
+        elif "got" not in msg:
+            msg = f"{msg}, got {e.get('input')!r}"
+        elif not flags:  # our own validators name the field and the value already
+            yield msg
+            continue
+        if not flags:
+            yield f"{'.'.join(str(p) for p in e['loc'])}: {msg}"
+            continue
+        env = f" ({env_prefix}{field.upper()})" if env_prefix else ""
+        yield f"--{field.replace('_', '-')}{env}: {msg}"
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """All problems on one line (gRPC INVALID_ARGUMENT details): 'entropy_top_frac must be in (0, 1], got 1.5'."""
+    return "; ".join(validation_problems(err))
+
+
+def parse_settings(cls: type[S], argv: Sequence[str] | None = None, **file_values: Any) -> S:
+    """Settings from CLI flags over `file_values` (e.g. a config file) over the model's other sources.
+
+    Invalid values print `<prog>: error: --flag: what is wrong, got value` per problem and exit with status 2,
+    as argparse does for an unknown flag; `--help` prints every field with its docstring and exits 0.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    prog = cls.model_config.get("cli_prog_name") or Path(sys.argv[0]).name
+    try:
+        return CliApp.run(cls, cli_args=args, **file_values)
+    except ValidationError as err:
+        lines = list(validation_problems(err, flags=True, env_prefix=cls.model_config.get("env_prefix") or ""))
+    except SettingsError as err:  # e.g. an environment variable that does not parse
+        lines = [str(err)]
+    for line in lines:
+        print(f"{prog}: error: {line}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class NamedEnvSource(PydanticBaseSettingsSource):
+    """Defaults for some fields from environment variables with names of their own
+    (`{"entropy_top_frac": "ENTROPY_TOP_FRAC"}`); empty variables count as unset."""
+
+    def __init__(self, settings_cls: type[BaseSettings], names: dict[str, str]) -> None:
+        super().__init__(settings_cls)
+        self.names = names
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        var = self.names.get(field_name)
+        value = os.environ.get(var, "").strip() if var else ""
+        return (value or None), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        out = {}
+        for name in self.names:
+            value, _, _ = self.get_field_value(self.settings_cls.model_fields[name], name)
+            if value is not None:
+                out[name] = value
+        return out

@@ -1,0 +1,56 @@
+"""The allowed values of the RL settings, each defined once, and the one rule for entropy_top_frac.
+
+Every other list is derived from these Literals: `LOSS_NAMES = get_args(LossName)` here, the `RunConfig`
+field types and `--help` choices (forkrl/training/config.py), the proto enum mapping (by name, checked by
+tests/unit/test_run_config.py), and the checks in `LossConfig` and the mask functions.
+
+Torch-free on purpose: the client CLI and the configs import it, and `--help` must answer at once. The RL
+modules re-export what they use (`forkrl.rl.mask.check_top_frac`, `forkrl.rl.losses.LOSS_NAMES`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+__all__ = [
+    "AGGREGATORS",
+    "LOSS_NAMES",
+    "MASK_NORMS",
+    "MASK_SCOPES",
+    "Aggregator",
+    "LossName",
+    "MaskNorm",
+    "MaskScope",
+    "check_top_frac",
+    "mask_is_on",
+]
+
+LossName = Literal["grpo", "dr_grpo", "dapo", "reinforce", "rloo", "gspo", "cispo"]
+"""The policy losses of forkrl/rl/losses.py (the table in its docstring)."""
+Aggregator = Literal["token_mean", "seq_mean_token_mean", "seq_sum_const", "seq_mean_token_sum"]
+"""How per-token loss terms become the step loss (algorithms.md §0)."""
+MaskScope = Literal["microbatch", "step"]
+"""Where the forking-token top-k is taken: per micro-batch (paper) or over the whole optimizer step."""
+MaskNorm = Literal["kept", "all"]
+"""Token normalizer under the mask: kept tokens (paper v2) or all response tokens (TRL)."""
+
+LOSS_NAMES: tuple[LossName, ...] = get_args(LossName)
+AGGREGATORS: tuple[Aggregator, ...] = get_args(Aggregator)
+MASK_SCOPES: tuple[MaskScope, ...] = get_args(MaskScope)
+MASK_NORMS: tuple[MaskNorm, ...] = get_args(MaskNorm)
+
+
+def check_top_frac(top_frac: float | None) -> None:
+    """Raise ValueError unless top_frac is None or in (0, 1] (the one place this rule is written)."""
+    if top_frac is None:
+        return
+    if isinstance(top_frac, bool) or not isinstance(top_frac, (int, float)):
+        raise ValueError(f"entropy_top_frac must be a float in (0, 1] or None, got {top_frac!r}")
+    if not (0.0 < top_frac <= 1.0):  # NaN fails too
+        raise ValueError(f"entropy_top_frac must be in (0, 1], got {top_frac}")
+
+
+def mask_is_on(top_frac: float | None) -> bool:
+    """True when rho actually drops tokens (rho < 1)."""
+    check_top_frac(top_frac)
+    return top_frac is not None and top_frac < 1.0

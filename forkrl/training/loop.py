@@ -1,0 +1,149 @@
+"""The training loop of one run: rollouts → rewards → advantages → mask + loss → AdamW → weight push.
+
+    run_training(run, device="auto", tensorboard=True)   # `run`: anything with the RunHandle attributes
+
+The trainer service calls it in the run's own thread with the config already resolved by preflight(). Every
+step emits one metrics item (run.emit → WatchRun), one line of `metrics.jsonl` and TensorBoard scalars;
+checkpoints are written atomically (forkrl/weights/checkpoint.py).
+
+Determinism: the data order is a seeded permutation walked by a cursor (forkrl/data/order.py), the sampling
+seed of step s is derived from (seed, s) and the rollout service derives each sample's seed from it. With the
+same weights served, a resumed run therefore sees the same trajectories as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from forkrl.data.datasets import load_problems
+from forkrl.data.order import DataOrder
+from forkrl.data.rewards import RewardFn, get_reward_fn
+from forkrl.data.tasks import Problem
+from forkrl.training.config import RunConfig
+from forkrl.training.metrics import MetricsSink
+from forkrl.training.policy import Policy, load_policy
+from forkrl.training.rollouts import Rollouts
+from forkrl.training.scoring import collect_batch, evaluate
+from forkrl.weights.checkpoint import checkpoint_name
+
+TRAIN_POOL = 20000  # built-in task: size of the train pool the data order walks through
+
+
+class RunHandle(Protocol):
+    """What the loop needs from the run that owns it (trainer_service/runs.py: Run)."""
+
+    run_id: str
+    run_dir: Path
+    config: RunConfig  # resolved (preflight) config
+    start_step: int
+    step: int
+    stop_requested: threading.Event  # set: finish the current step, checkpoint, return
+
+    def emit(self, item: dict[str, Any]) -> None: ...
+
+    def event(self, kind: str, message: str = "", step: int | None = None, values: dict | None = None,
+              path: str = "") -> None: ...
+
+
+def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = True) -> None:
+    cfg, run_dir = run.config, run.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2, sort_keys=True))
+    policy = load_policy(cfg, run_dir, device)
+    run.start_step = run.step = policy.start_step
+    train_problems = load_problems(cfg.task or None, cfg.dataset or None, "train", TRAIN_POOL, cfg.seed)
+    eval_problems = load_problems(cfg.task or None, cfg.dataset or None, "eval", cfg.eval_prompts, cfg.seed) \
+        if cfg.eval_prompts else []
+    s = _Session(run, cfg, policy, DataOrder(train_problems, cfg.seed, policy.data_cursor),
+                 get_reward_fn(cfg.reward), MetricsSink(run_dir, tensorboard), Rollouts(cfg.rollout_addresses),
+                 eval_problems)
+    loss_cfg = cfg.loss_config()
+    run.event("LOG", f"waiting for rollout service(s) {', '.join(cfg.rollout_addresses)}")
+    s.rollouts.wait_ready()
+    s.version = s.rollouts.version()
+    # The rollout must serve exactly the policy we train: on resume, or when it serves anything but our
+    # initial checkpoint (another model, another run's weights), push ours first.
+    if policy.resumed or not s.rollouts.serve_initial(cfg.model):
+        s.push()
+    run.event("STARTED", f"run {run.run_id} on {policy.device}: loss {cfg.loss}, entropy_top_frac "
+              f"{cfg.entropy_top_frac}, {len(train_problems)} train / {len(eval_problems)} eval prompts, "
+              f"from step {policy.start_step}", path=str(run_dir))
+    step = policy.start_step
+    if step == 0:
+        s.evaluate(0)
+    try:
+        while step < cfg.num_steps and not run.stop_requested.is_set():
+            step += 1
+            t_step = time.perf_counter()
+            lr = policy.set_lr(step)
+            scored = collect_batch(s.rollouts, s.data, s.reward_fn, cfg, step)  # + DAPO dynamic sampling
+            metrics = scored.metrics()
+            metrics.update(time_generate_s=scored.time_generate_s, time_score_s=scored.time_score_s, lr=lr)
+            if not scored.groups:
+                run.event("LOG", "no group with mixed rewards after dynamic sampling; step skipped", step=step)
+                s.report(step, metrics | {"policy_version": float(s.version),
+                                          "time_step_s": time.perf_counter() - t_step})
+                continue
+            t0 = time.perf_counter()
+            metrics.update(policy.update(scored, loss_cfg))  # advantages, masked loss, AdamW
+            t_train = time.perf_counter() - t0
+            t_push = s.push()  # the rollout serves the new policy before the next step samples
+            metrics.update(policy_version=float(s.version), time_train_s=t_train, time_push_s=t_push,
+                           time_step_s=time.perf_counter() - t_step, data_cursor=float(s.data.cursor),
+                           tokens_per_s=scored.response_tokens / max(scored.time_generate_s, 1e-9))
+            s.report(step, metrics)
+            if cfg.save_every and step % cfg.save_every == 0:
+                s.checkpoint(step, checkpoint_name(step))
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_steps:
+                s.evaluate(step)
+        if run.stop_requested.is_set() and step < cfg.num_steps:
+            if not (cfg.save_every and step % cfg.save_every == 0):
+                s.checkpoint(step, checkpoint_name(step))
+        else:
+            s.checkpoint(step, "final")
+            s.evaluate(step)
+    finally:
+        s.sink.close()
+
+
+@dataclass
+class _Session:
+    """The parts of a running run the loop's steps share; `version` is the policy version the rollout serves."""
+
+    run: RunHandle
+    cfg: RunConfig
+    policy: Policy
+    data: DataOrder
+    reward_fn: RewardFn
+    sink: MetricsSink
+    rollouts: Rollouts
+    eval_problems: list[Problem]
+    version: int = 0
+
+    def push(self) -> float:
+        self.version += 1
+        return self.rollouts.push(self.policy.model, self.version, self.cfg.weight_sync, self.run.run_dir)
+
+    def report(self, step: int, metrics: dict[str, float]) -> None:
+        self.sink.write(step, metrics)
+        self.run.emit({"type": "metrics", "step": step, "values": metrics})
+
+    def evaluate(self, step: int) -> None:
+        if not self.eval_problems:
+            return
+        t0 = time.perf_counter()
+        res = evaluate(self.rollouts, self.reward_fn, self.eval_problems, self.cfg)
+        res["time_eval_s"] = time.perf_counter() - t0
+        self.sink.write(step, res, kind="eval")
+        self.run.event("EVAL", f"eval on {len(self.eval_problems)} prompts", step=step, values=res)
+
+    def checkpoint(self, step: int, name: str) -> None:
+        path = self.policy.save(self.run.run_dir, name, {
+            "step": step, "data_cursor": self.data.cursor, "run_id": self.run.run_id,
+            "config": self.cfg.model_dump(), "policy_version": self.version})
+        self.run.event("CHECKPOINT", f"saved {name}", step=step, path=str(path))

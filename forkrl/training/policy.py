@@ -1,0 +1,102 @@
+"""The policy being trained: fp32 master weights, AdamW, the tokenizer, the optional KL reference, and the
+update of one step (advantages → batch → masked loss over micro-batches → optimizer step).
+
+    policy = load_policy(cfg, run_dir, device="auto")   # from cfg.model, or the latest checkpoint on resume
+    policy.set_lr(step)
+    metrics = policy.update(scored, cfg.loss_config())   # one optimizer step on a ScoredBatch
+    policy.save(run_dir, "step_000010", {"step": 10, ...})
+
+Determinism: torch is seeded with run_seed("torch", seed) before the model is loaded, and a resume restores
+the optimizer state, so a resumed run ends with the same weights as an uninterrupted one (on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forkrl.rl.advantages import compute_advantages
+from forkrl.rl.losses import LossConfig
+from forkrl.rl.step import build_batch, train_step
+from forkrl.seeds import run_seed
+from forkrl.training.config import RunConfig
+from forkrl.training.scoring import ScoredBatch
+from forkrl.weights.checkpoint import latest_checkpoint, load_optimizer_state, read_state, save_checkpoint
+
+
+def pick_device(name: str) -> torch.device:
+    """'auto' = cuda when present, else cpu; anything else as torch names it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class Policy:
+    cfg: RunConfig
+    model: torch.nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    ref_model: torch.nn.Module | None  # the initial policy, for the k3 KL term (kl_beta > 0)
+    device: torch.device
+    start_step: int  # 0, or the step of the checkpoint resumed from
+    data_cursor: int  # prompts already drawn (DataOrder cursor) at start_step
+    resumed: bool
+
+    @property
+    def pad_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def set_lr(self, step: int) -> float:
+        """Linear warm-up over cfg.warmup_steps, then constant."""
+        cfg = self.cfg
+        lr = cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def update(self, scored: ScoredBatch, loss_cfg: LossConfig) -> dict[str, float]:
+        """One optimizer step on the scored groups; returns the step's loss/mask/entropy metrics."""
+        cfg = self.cfg
+        adv = compute_advantages(cfg.loss, scored.rewards).reshape(-1)
+        flat = scored.trajectories
+        batch = build_batch([list(t.prompt_token_ids) for t in flat], [list(t.completion_token_ids) for t in flat],
+                            [list(t.logprobs) for t in flat], self.pad_id)
+        return train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
+                          micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                          ref_model=self.ref_model)
+
+    def save(self, run_dir: Path, name: str, state: dict[str, Any]) -> Path:
+        return save_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state)
+
+
+def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto") -> Policy:
+    """The initial policy of cfg.model, or with cfg.resume the latest complete checkpoint in run_dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    resume_from = latest_checkpoint(run_dir) if cfg.resume else None
+    start_step, cursor = 0, 0
+    load_dir = Path(cfg.model)
+    if resume_from is not None:
+        state = read_state(resume_from)
+        start_step, cursor = int(state["step"]), int(state["data_cursor"])
+        load_dir = resume_from
+    torch.manual_seed(run_seed("torch", cfg.seed))
+
+    tokenizer = AutoTokenizer.from_pretrained(load_dir)
+    model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch.float32, use_safetensors=True)
+    dev = pick_device(device)
+    model.to(dev)  # fp32 master weights; the engine may serve bf16 (pushed fp32 tensors are cast)
+    ref_model = None
+    if cfg.kl_beta > 0:
+        ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, use_safetensors=True)
+        ref_model.to(dev).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay, eps=1e-8)
+    if resume_from is not None:
+        load_optimizer_state(resume_from, model, optimizer)
+    return Policy(cfg, model, tokenizer, optimizer, ref_model, dev, start_step, cursor, resume_from is not None)

@@ -1,0 +1,58 @@
+"""Resolve and check a run config once, before the run starts (the trainer service calls it in StartRun).
+
+    cfg = preflight(RunConfig(entropy_top_frac=0.2))   # model dir, task, reward, max_new_tokens filled in
+
+ValueError → the request is wrong (INVALID_ARGUMENT); FileNotFoundError → the world is not ready for it
+(FAILED_PRECONDITION: e.g. resume without a checkpoint). The training loop receives the resolved config and
+never resolves again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from forkrl.data.rewards import get_reward_fn
+from forkrl.data.tasks import DEFAULT_TASK, get_task
+from forkrl.models.tiny import default_model_dir
+from forkrl.training.config import RunConfig
+from forkrl.weights.checkpoint import latest_checkpoint
+
+DATASET_MAX_NEW_TOKENS = 1024  # max_new_tokens of a run on a JSONL dataset when none is given
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """Fill the defaults that depend on the environment (model dir, task, reward, max_new_tokens)."""
+    updates: dict[str, Any] = {}
+    if not cfg.model:
+        updates["model"] = str(default_model_dir())
+    if not cfg.dataset and not cfg.task:
+        updates["task"] = DEFAULT_TASK
+    if not cfg.reward:
+        updates["reward"] = "math_verify" if cfg.dataset else "exact_match"
+    if cfg.max_new_tokens == 0:
+        updates["max_new_tokens"] = (get_task(cfg.task or DEFAULT_TASK).max_new_tokens if not cfg.dataset
+                                     else DATASET_MAX_NEW_TOKENS)
+    return cfg.model_copy(update=updates)
+
+
+def preflight(cfg: RunConfig) -> RunConfig:
+    """The resolved config, after the checks that need the filesystem: a bad run fails before it starts."""
+    cfg = resolve(cfg)
+    if not (Path(cfg.model) / "config.json").is_file():
+        raise ValueError(f"model: {cfg.model!r} is not an HF checkpoint directory (no config.json)")
+    if cfg.dataset and not Path(cfg.dataset).is_file():
+        raise ValueError(f"dataset: no such file {cfg.dataset!r}")
+    if cfg.task and not cfg.dataset:
+        get_task(cfg.task)  # raises ValueError naming the known tasks
+    get_reward_fn(cfg.reward)  # raises ValueError for an unknown reward
+    cfg.loss_config()  # raises ValueError for a combination the loss cannot honour
+    if cfg.run_dir:
+        run_dir = Path(cfg.run_dir)
+        has_ckpt = latest_checkpoint(run_dir) is not None
+        if cfg.resume and not has_ckpt:
+            raise FileNotFoundError(f"resume: no complete checkpoint in {run_dir / 'checkpoints'}")
+        if not cfg.resume and has_ckpt:
+            raise ValueError(f"run_dir {str(run_dir)!r} already holds checkpoints: pass resume to continue it "
+                             "or choose another run_dir")
+    return cfg

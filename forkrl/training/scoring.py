@@ -1,0 +1,136 @@
+"""Rewards for sampled groups: the scored batch of one training step (with DAPO's dynamic-sampling refill) and
+the accuracy evaluation.
+
+    scored = collect_batch(rollouts, data, reward_fn, cfg, step)   # groups [B][G], rewards [B, G], counters
+    metrics = scored.metrics()                                      # reward/accuracy/lengths of the step
+    evaluate(rollouts, reward_fn, eval_problems, cfg)               # {"eval_accuracy", "eval_greedy_accuracy"}
+
+Seeds: round r of step s samples with run_seed("gen", seed, s, r), every evaluation with run_seed("eval", seed)
+(forkrl/seeds.py, frozen formats), so resumed runs see the same trajectories as uninterrupted ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from forkrl.data.order import DataOrder
+from forkrl.data.rewards import RewardFn
+from forkrl.data.tasks import Problem
+from forkrl.rl.advantages import dynamic_sampling_keep, soft_overlong_penalty
+from forkrl.seeds import run_seed
+from forkrl.training.config import RunConfig
+from forkrl.training.rollouts import Rollouts
+from forkrl.wire.rollout.v1.rollout_pb2 import FINISH_REASON_LENGTH
+
+
+@dataclass
+class ScoredBatch:
+    """The groups one step trains on, their rewards and how they were collected."""
+
+    groups: list[list[Any]]  # trajectories by prompt: groups[i][j] is sample j of problems[i]
+    problems: list[Problem]
+    rewards: torch.Tensor  # [len(groups), G] float32
+    rounds: int  # generation rounds (> 1 only with dynamic sampling)
+    seen_groups: int
+    mixed_groups: int  # groups whose rewards were not all equal
+    time_generate_s: float
+    time_score_s: float
+
+    @property
+    def trajectories(self) -> list[Any]:
+        """Row-major: prompt 0 samples 0..G-1, prompt 1 ... (the order of the advantages)."""
+        return [t for g in self.groups for t in g]
+
+    def metrics(self) -> dict[str, float]:
+        r = self.rewards
+        out = {
+            "reward_mean": float(r.mean()) if r.numel() else 0.0,
+            "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
+            "accuracy": float((r > 0).float().mean()) if r.numel() else 0.0,
+            "groups_mixed_frac": self.mixed_groups / max(self.seen_groups, 1),
+            "gen_rounds": float(self.rounds),
+            "groups_used": float(len(self.groups)),
+        }
+        flat = self.trajectories
+        if flat:
+            lengths = [len(t.completion_token_ids) for t in flat]
+            out.update(
+                response_len_mean=sum(lengths) / len(lengths),
+                truncated_frac=sum(t.finish_reason == FINISH_REASON_LENGTH for t in flat) / len(flat),
+                rollout_policy_version=float(min(t.policy_version for t in flat)),
+            )
+        return out
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(len(t.completion_token_ids) for t in self.trajectories)
+
+
+def score(reward_fn: RewardFn, groups: list[list[Any]], problems: list[Problem], cfg: RunConfig) -> torch.Tensor:
+    """Rewards [B, G] (None → 0 and counted). DAPO's soft overlong penalty is added when configured."""
+    flat = [t for g in groups for t in g]
+    probs = [p for p, g in zip(problems, groups, strict=True) for _ in g]
+    result = reward_fn([t.completion_text for t in flat], probs)
+    rewards = torch.tensor([0.0 if r is None else float(r) for r in result.rewards], dtype=torch.float32)
+    rewards = rewards.view(len(groups), -1)
+    if cfg.overlong_cache_len > 0:
+        lengths = torch.tensor([len(t.completion_token_ids) for t in flat]).view_as(rewards)
+        rewards = rewards + soft_overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_cache_len)
+    return rewards
+
+
+def collect_batch(rollouts: Rollouts, data: DataOrder, reward_fn: RewardFn, cfg: RunConfig, step: int) -> ScoredBatch:
+    """Sample and score cfg.prompts_per_step groups. With dynamic sampling (DAPO §3.3) only groups with mixed
+    rewards are kept and the batch is refilled from fresh prompts, for at most cfg.max_gen_batches rounds; the
+    batch may then hold fewer groups (or none)."""
+    t0 = time.perf_counter()
+    groups: list[list[Any]] = []
+    problems: list[Problem] = []
+    rewards_list = []
+    t_score = 0.0
+    rounds, seen_groups, mixed_groups = 0, 0, 0
+    while True:
+        batch_probs = data.take(cfg.prompts_per_step)
+        g = rollouts.generate([p.prompt for p in batch_probs], n=cfg.group_size, temperature=cfg.temperature,
+                              max_new_tokens=cfg.max_new_tokens, seed=run_seed("gen", cfg.seed, step, rounds))
+        ts = time.perf_counter()
+        r = score(reward_fn, g, batch_probs, cfg)
+        t_score += time.perf_counter() - ts
+        rounds += 1
+        seen_groups += len(g)
+        keep = dynamic_sampling_keep(r) if cfg.group_size > 1 else torch.ones(len(g), dtype=torch.bool)
+        mixed_groups += int(keep.sum())
+        if cfg.dynamic_sampling:
+            idx = keep.nonzero().flatten().tolist()
+            g, batch_probs, r = [g[i] for i in idx], [batch_probs[i] for i in idx], r[keep]
+        groups += g
+        problems += batch_probs
+        rewards_list.append(r)
+        if not cfg.dynamic_sampling or len(groups) >= cfg.prompts_per_step or rounds >= cfg.max_gen_batches:
+            break
+    if cfg.dynamic_sampling:
+        groups, problems = groups[: cfg.prompts_per_step], problems[: cfg.prompts_per_step]
+    rewards = torch.cat(rewards_list)[: len(groups)]
+    t_gen = time.perf_counter() - t0 - t_score
+    return ScoredBatch(groups, problems, rewards, rounds, seen_groups, mixed_groups, t_gen, t_score)
+
+
+def evaluate(rollouts: Rollouts, reward_fn: RewardFn, problems: list[Problem], cfg: RunConfig,
+             samples: int = 4) -> dict[str, float]:
+    """Accuracy on eval prompts through the rollout service: sampled at T (n=samples) and greedy."""
+    if not problems:
+        return {}
+    prompts = [p.prompt for p in problems]
+    out = {}
+    for name, temp, n in (("eval_accuracy", cfg.temperature, samples), ("eval_greedy_accuracy", 0.0, 1)):
+        groups = rollouts.generate(prompts, n=n, temperature=temp, max_new_tokens=cfg.max_new_tokens,
+                                   seed=run_seed("eval", cfg.seed))
+        flat = [t for g in groups for t in g]
+        probs = [p for p, g in zip(problems, groups, strict=True) for _ in g]
+        rewards = reward_fn([t.completion_text for t in flat], probs).rewards
+        out[name] = sum(1.0 for r in rewards if r is not None and r > 0) / len(rewards)
+    return out

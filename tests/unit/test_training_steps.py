@@ -1,0 +1,157 @@
+"""The steps run_training calls, in the core (forkrl/training): the scored batch with DAPO's dynamic-sampling
+refill, reward scoring with the overlong penalty, preflight (the one resolve of a run config), the metrics sink
+and the tied-tensor filter of the weight push. The rollout services are replaced by a scripted stand-in whose
+answers are right or wrong by a rule the test states; the real services are exercised in tests/trainer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from forkrl.data.order import DataOrder
+from forkrl.data.rewards import exact_match
+from forkrl.data.tasks import DEFAULT_TASK, get_task, make_split
+from forkrl.seeds import run_seed
+from forkrl.training.config import RunConfig
+from forkrl.training.metrics import MetricsSink
+from forkrl.training.preflight import preflight, resolve
+from forkrl.training.rollouts import untie
+from forkrl.training.scoring import ScoredBatch, collect_batch, score
+
+
+class ScriptedRollouts:
+    """Answers prompt i of call c, sample j, correctly iff right(c, i, j); records (prompt count, seed) per call."""
+
+    def __init__(self, right) -> None:
+        self.right = right
+        self.calls: list[tuple[int, int]] = []
+
+    def generate(self, prompts, n, temperature, max_new_tokens, seed):
+        call = len(self.calls)
+        self.calls.append((len(prompts), seed))
+        groups = []
+        for i, prompt in enumerate(prompts):
+            total = sum(int(x) for x in prompt.rstrip("=").split("+"))
+            groups.append([_trajectory(str(total if self.right(call, i, j) else total + 1)) for j in range(n)])
+        return groups
+
+
+def _trajectory(text: str, finish_reason: int = 1, version: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(completion_text=text, completion_token_ids=list(range(len(text))),
+                           finish_reason=finish_reason, policy_version=version)
+
+
+def _cfg(**kw) -> RunConfig:
+    return RunConfig(**{"prompts_per_step": 4, "group_size": 3, "max_new_tokens": 8, "seed": 5, **kw})
+
+
+@pytest.fixture
+def data() -> DataOrder:
+    return DataOrder(make_split(DEFAULT_TASK, "train", 40, seed=0), seed=1)
+
+
+def test_without_dynamic_sampling_one_round_keeps_every_group(data: DataOrder) -> None:
+    rollouts = ScriptedRollouts(lambda c, i, j: i % 2 == 0 and j == 0)  # even prompts mixed, odd all wrong
+    scored = collect_batch(rollouts, data, exact_match, _cfg(), step=7)
+    assert rollouts.calls == [(4, run_seed("gen", 5, 7, 0))]
+    assert data.cursor == 4 and len(scored.groups) == 4 and len(scored.problems) == 4
+    assert scored.rewards.tolist() == [[1.0, 0.0, 0.0], [0.0] * 3, [1.0, 0.0, 0.0], [0.0] * 3]
+    assert (scored.rounds, scored.seen_groups, scored.mixed_groups) == (1, 4, 2)
+    m = scored.metrics()
+    assert m["reward_mean"] == pytest.approx(2 / 12) and m["accuracy"] == pytest.approx(2 / 12)
+    assert m["groups_mixed_frac"] == 0.5 and m["gen_rounds"] == 1.0 and m["groups_used"] == 4.0
+
+
+def test_dynamic_sampling_keeps_mixed_groups_and_refills_up_to_the_batch(data: DataOrder) -> None:
+    # call 0: prompts 0 and 3 mixed; call 1: prompts 0, 1, 2 mixed -> 5 kept, trimmed to 4
+    mixed = {0: {0, 3}, 1: {0, 1, 2}}
+    rollouts = ScriptedRollouts(lambda c, i, j: j == 0 and i in mixed[c])
+    prompts = [p.prompt for p in DataOrder(data.problems, seed=1).take(8)]
+    scored = collect_batch(rollouts, data, exact_match, _cfg(dynamic_sampling=True), step=2)
+    assert rollouts.calls == [(4, run_seed("gen", 5, 2, 0)), (4, run_seed("gen", 5, 2, 1))]
+    assert [p.prompt for p in scored.problems] == [prompts[0], prompts[3], prompts[4], prompts[5]]
+    assert scored.rewards.tolist() == [[1.0, 0.0, 0.0]] * 4
+    assert (scored.rounds, scored.seen_groups, scored.mixed_groups, data.cursor) == (2, 8, 5, 8)
+
+
+def test_dynamic_sampling_stops_after_max_gen_batches_with_what_it_has(data: DataOrder) -> None:
+    rollouts = ScriptedRollouts(lambda c, i, j: c == 1 and i == 2 and j == 1)  # one mixed group in 3 rounds
+    scored = collect_batch(rollouts, data, exact_match, _cfg(dynamic_sampling=True, max_gen_batches=3), step=1)
+    assert len(rollouts.calls) == 3 and scored.rounds == 3 and data.cursor == 12
+    assert scored.rewards.tolist() == [[0.0, 1.0, 0.0]] and len(scored.groups) == 1
+
+    none = collect_batch(ScriptedRollouts(lambda c, i, j: False), data, exact_match,
+                         _cfg(dynamic_sampling=True, max_gen_batches=2), step=2)
+    assert none.groups == [] and tuple(none.rewards.shape) == (0, 3)
+    m = none.metrics()
+    assert (m["groups_used"], m["reward_mean"], m["groups_mixed_frac"]) == (0.0, 0.0, 0.0)
+    assert "response_len_mean" not in m  # no trajectories, no length statistics
+
+
+def test_score_adds_the_soft_overlong_penalty() -> None:
+    problems = make_split(DEFAULT_TASK, "train", 1, seed=0)
+    answer = problems[0].answer
+    # max_new_tokens 8, cache 4: no penalty up to 4 tokens, -(len - 4) / 4 up to 8
+    groups = [[_trajectory(answer), _trajectory(answer + " " * (6 - len(answer))), _trajectory("x" * 8)]]
+    rewards = score(exact_match, groups, problems, _cfg(overlong_cache_len=4, group_size=3))
+    assert rewards.tolist() == [[1.0 - max(0, len(answer) - 4) / 4, 1.0 - 2 / 4, 0.0 - 4 / 4]]
+
+
+def test_scored_batch_metrics_by_hand() -> None:
+    groups = [[_trajectory("12", finish_reason=2, version=3), _trajectory("1234", version=4)]]
+    scored = ScoredBatch(groups, [], torch.tensor([[1.0, 0.0]]), rounds=1, seen_groups=1, mixed_groups=1,
+                         time_generate_s=0.5, time_score_s=0.1)
+    m = scored.metrics()
+    assert m["response_len_mean"] == 3.0 and m["truncated_frac"] == 0.5 and m["rollout_policy_version"] == 3.0
+    assert m["reward_std"] == pytest.approx(2 ** -0.5) and scored.response_tokens == 6
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return model
+
+
+def test_resolve_fills_the_environment_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORKRL_MODEL_DIR", str(tmp_path / "m"))
+    cfg = resolve(RunConfig())
+    assert (cfg.model, cfg.task, cfg.reward) == (str(tmp_path / "m"), DEFAULT_TASK, "exact_match")
+    assert cfg.max_new_tokens == get_task(DEFAULT_TASK).max_new_tokens
+    ds = resolve(RunConfig(dataset="/d.jsonl", max_new_tokens=0))
+    assert (ds.task, ds.reward, ds.max_new_tokens) == ("", "math_verify", 1024)
+    assert resolve(cfg) == cfg  # resolving twice changes nothing
+
+
+def test_preflight_checks_before_the_run_starts(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path)
+    ok = preflight(RunConfig(model=str(model), entropy_top_frac=0.2))
+    assert ok.task == DEFAULT_TASK and ok.loss_config().entropy_top_frac == 0.2
+    with pytest.raises(ValueError, match="not an HF checkpoint directory"):
+        preflight(RunConfig(model=str(tmp_path)))
+    with pytest.raises(ValueError, match="dataset: no such file"):
+        preflight(RunConfig(model=str(model), dataset=str(tmp_path / "nope.jsonl")))
+    with pytest.raises(ValueError, match="clip_low is not used by loss 'reinforce'"):
+        preflight(RunConfig(model=str(model), loss="reinforce", clip_low=0.1))
+    with pytest.raises(FileNotFoundError, match="resume: no complete checkpoint"):
+        preflight(RunConfig(model=str(model), run_dir=str(tmp_path / "run"), resume=True))
+
+
+def test_metrics_sink_writes_one_sorted_line_per_call(tmp_path: Path) -> None:
+    sink = MetricsSink(tmp_path, tensorboard=False)
+    sink.write(1, {"b": 2.0, "a": 1.0})
+    sink.write(1, {"eval_accuracy": 0.5}, kind="eval")
+    sink.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[0] == json.dumps({"a": 1.0, "b": 2.0, "kind": "train", "step": 1})
+    assert json.loads(lines[1]) == {"step": 1, "kind": "eval", "eval_accuracy": 0.5}
+
+
+def test_untie_drops_tensors_that_share_storage() -> None:
+    emb = torch.randn(5, 3)
+    state = {"embed.weight": emb, "lm_head.weight": emb, "norm.weight": torch.ones(3), "view": emb[1:]}
+    assert list(untie(state)) == ["embed.weight", "norm.weight", "view"]  # a different offset is a different tensor
