@@ -412,7 +412,8 @@ class RolloutEngine:
                 )
             if got != sha256.lower():
                 raise ChecksumMismatch(f"sha256 of the received bytes is {got}, header.sha256 says {sha256}")
-            result = await self._swap(str(path), target_version)
+            staged, path = path, None  # the swap owns the file now: the reload may outlive this call
+            result = await self._swap(str(staged), target_version, staged=staged)
             result.receive_s, result.bytes_received = receive_s, received
             return result
         except BaseException:
@@ -451,13 +452,22 @@ class RolloutEngine:
             self.counters.rejected_weight_updates += 1
             raise
 
-    async def _swap(self, path: str, target_version: int) -> SwapResult:
-        async with self._apply_lock:
-            self._check_version(target_version)  # again: another swap may have won the race
-            # The reload runs as its own task: if the caller's RPC is cancelled mid-reload, the reload
-            # still completes and the version is committed, so version and weights never disagree.
-            task = asyncio.create_task(self._drain_and_reload(path, target_version))
-            return await asyncio.shield(task)
+    async def _swap(self, path: str, target_version: int, staged: Path | None = None) -> SwapResult:
+        """Drain and reload from `path`; `staged` (a staging file) is removed once the reload is over."""
+        try:
+            async with self._apply_lock:
+                self._check_version(target_version)  # again: another swap may have won the race
+                # The reload runs as its own task: if the caller's RPC is cancelled mid-reload (or while
+                # draining), the reload still completes and the version is committed, so version and
+                # weights never disagree. The task, not the caller, removes the staged file afterwards.
+                task = asyncio.create_task(self._drain_and_reload(path, target_version))
+                if staged is not None:
+                    task.add_done_callback(lambda _t, f=staged: f.unlink(missing_ok=True))
+                    staged = None
+                return await asyncio.shield(task)
+        finally:
+            if staged is not None:  # the reload never started (stale version, cancelled waiting for the lock)
+                staged.unlink(missing_ok=True)
 
     async def _drain_and_reload(self, path: str, target_version: int) -> SwapResult:
         t0 = time.perf_counter()
