@@ -71,6 +71,20 @@ def logprob_parity(
     return worst, logprob_parity_bound(hf_err, zmax)
 
 
+def float32_logprob_bound(
+    seqs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    model32: torch.nn.Module,
+    model64: torch.nn.Module,
+    temperature: float,
+) -> float:
+    """`logprob_parity_bound` for these sequences, without an engine: how far any float32 implementation
+    of this model may be from the exact log-probs of these tokens."""
+    return logprob_parity(
+        [reference_logprobs(model64, p, c, temperature)[0].tolist() for p, c in seqs], seqs, model32, model64,
+        temperature,
+    )[1]
+
+
 def logprob_parity_bound(hf_fp32_error: float, max_abs_logit: float) -> float:
     """PARITY_FACTOR x max(HF's float32 error, PARITY_FLOOR_ULPS ulps of the largest logit)."""
     return PARITY_FACTOR * max(hf_fp32_error, PARITY_FLOOR_ULPS * FP32_EPS * max_abs_logit)

@@ -207,7 +207,7 @@ def _log_tail(log_path: Path, n_bytes: int = 4000) -> str:
 @contextlib.contextmanager
 def _service(
     cmd: list[str], name: str, log_path: str | Path | None, env: dict[str, str], startup_timeout_s: float,
-    grace_s: float, ready: Callable[[ServiceAddress], None],
+    grace_s: float, ready: Callable[[ServiceAddress], None], expect_clean_stop: bool,
 ) -> Iterator[ServiceAddress]:
     temp_dir = None
     if log_path is None:
@@ -231,12 +231,34 @@ def _service(
         yield address
         clean = True
     finally:
+        stop_report = ""
+        if clean and expect_clean_stop:  # SIGTERM alone must stop the service and everything it started
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = proc.wait(timeout=grace_s)
+                if rc != 0:
+                    stop_report = f"exited with {rc} on SIGTERM"
+                elif not _wait_gone(proc.pid, 10.0):
+                    stop_report = "left processes of its group running after SIGTERM"
+            except subprocess.TimeoutExpired:
+                stop_report = f"still running {grace_s:.0f} s after SIGTERM"
         kill_group(proc, grace_s)
         if temp_dir is not None:
-            if clean and proc.returncode in (0, -signal.SIGTERM):
+            if clean and not stop_report and proc.returncode in (0, -signal.SIGTERM):
                 shutil.rmtree(temp_dir, ignore_errors=True)
             else:
                 print(f"{name} service exited with {proc.returncode}; log kept at {log_path}", file=sys.stderr)
+    if stop_report:
+        raise AssertionError(f"{name} service {stop_report}; log tail:\n{_log_tail(log_path)}")
+
+
+def _wait_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _flags(settings: dict[str, object]) -> list[str]:
@@ -256,12 +278,15 @@ def start_rollout_service(
     startup_timeout_s: float = 300.0,
     log_path: str | Path | None = None,
     extra_env: dict[str, str] | None = None,
+    expect_clean_stop: bool = False,
     **settings: object,
 ) -> contextlib.AbstractContextManager[ServiceAddress]:
     """Run the rollout service on a port it binds itself; yield its address ("127.0.0.1:PORT", a str with
     `.process` and `.log_path`) once health says SERVING.
 
     `settings` are RolloutSettings fields (`kv_cache_gib=1`, `seed=0`, `staging_dir=...`) passed as flags.
+    `expect_clean_stop`: on a normal exit, SIGTERM must stop the service with status 0 and leave no process
+    of its group (its engine) behind, or the exit raises AssertionError.
     """
     cmd = [sys.executable, "-m", "rollout_service", "--model", str(model_dir), "--port", "0", *_flags(settings)]
     env = {**os.environ, **(extra_env or {})}
@@ -270,7 +295,8 @@ def start_rollout_service(
     def ready(address: ServiceAddress) -> None:
         wait_for_health(address, startup_timeout_s, address.process)
 
-    return _service(cmd, "rollout", log_path, env, startup_timeout_s, grace_s=15.0, ready=ready)
+    return _service(cmd, "rollout", log_path, env, startup_timeout_s, grace_s=30.0, ready=ready,
+                    expect_clean_stop=expect_clean_stop)
 
 
 def start_trainer_service(
@@ -279,9 +305,11 @@ def start_trainer_service(
     log_path: str | Path | None = None,
     startup_timeout_s: float = 120.0,
     extra_env: dict[str, str] | None = None,
+    expect_clean_stop: bool = False,
     **settings: object,
 ) -> contextlib.AbstractContextManager[ServiceAddress]:
-    """`python -m trainer_service` on a port it binds itself, runs under `runs_root`, no TensorBoard."""
+    """`python -m trainer_service` on a port it binds itself, runs under `runs_root`, no TensorBoard.
+    `expect_clean_stop` as for `start_rollout_service`."""
     cmd = [sys.executable, "-m", "trainer_service", "--port", "0", "--runs-root", str(runs_root),
            "--no-tensorboard", *_flags(settings)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
@@ -289,4 +317,5 @@ def start_trainer_service(
     def ready(address: ServiceAddress) -> None:
         wait_for_health(address, startup_timeout_s, address.process)
 
-    return _service(cmd, "trainer", log_path, env, startup_timeout_s, grace_s=30.0, ready=ready)
+    return _service(cmd, "trainer", log_path, env, startup_timeout_s, grace_s=60.0, ready=ready,
+                    expect_clean_stop=expect_clean_stop)
