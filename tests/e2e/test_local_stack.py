@@ -21,7 +21,7 @@ import pytest
 
 from tests.service_fixtures import REPO_ROOT, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isolated]  # its own stack, ports and data dir
 
 
 def _descendants(pid: int) -> set[int]:

@@ -220,6 +220,7 @@ def test_vllm_greedy_matches_hf_greedy(vllm_engine, hf, eval_problems):
 
 
 @pytest.mark.slow
+@pytest.mark.isolated  # builds into tmp_path only
 def test_build_is_deterministic_and_cached(tmp_path):
     a = build_tiny_model(tmp_path / "a", seed=0, config=SHORT, progress=False)
     b = build_tiny_model(tmp_path / "b", seed=0, config=SHORT, progress=False)

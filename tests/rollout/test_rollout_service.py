@@ -376,6 +376,7 @@ def test_info_reports_engine_and_counters(client: RolloutClient, model_dir: Path
     assert c1.rejected_weight_updates == c0.rejected_weight_updates and c1.running_requests == 0
 
 
+@pytest.mark.isolated  # its own service
 def test_dead_engine_core_takes_the_service_down(model_dir: Path, tmp_path: Path):
     """kill -9 of vLLM's engine-core process: the service must not keep answering SERVING for a dead
     engine; it goes NOT_SERVING and exits with status 1 so Docker or the launcher sees the failure."""

@@ -1,7 +1,7 @@
 """Run options end to end, with assertions on metrics.jsonl that hold for any model and any samples:
 weight sync through the run dir, DAPO dynamic sampling, the k3 KL term, learning-rate warm-up, periodic
-evaluation; a JSONL dataset graded by math-verify with DAPO's overlong penalty; and two separate rollout
-engines (prompts sharded over both, weights pushed to both), one of which is then stopped with SIGTERM.
+evaluation; a JSONL dataset graded by math-verify with DAPO's overlong penalty; and a second rollout
+engine: synced before a run on another model, sharded over, pushed to, then stopped with SIGTERM.
 
 Options are combined into few short runs to keep the suite fast.
 """
@@ -125,20 +125,71 @@ def test_dataset_with_math_verify_and_the_overlong_penalty(rollout_address, trai
         assert e["eval_accuracy"] == e["eval_greedy_accuracy"] == 0.0
 
 
-def test_two_rollout_engines_shard_prompts_get_every_push_and_stop_on_sigterm(
+def _perturbed_copy(model_dir: Path, out: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out
+
+
+def _max_logp_gap(a: Path, b: Path) -> float:
+    """max |logp_a - logp_b| over greedy sum3 completions of model a (teacher-forced in both, float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from forkrl.data.tasks import make_split
+    from forkrl.models.tiny import sample_completions
+    from tests.numerics import reference_logprobs
+
+    tok = AutoTokenizer.from_pretrained(a)
+    ma, mb = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in (a, b))
+    prompts = [p.prompt for p in make_split("sum3", "eval", 16, seed=3)]
+    gap = 0.0
+    for p, (c,) in zip(prompts, sample_completions(ma, tok, prompts, temperature=0.0, max_new_tokens=11), strict=True):
+        ids = (tok(p).input_ids, tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id])
+        gap = max(gap, float((reference_logprobs(ma, *ids, 1.0)[0] - reference_logprobs(mb, *ids, 1.0)[0]).abs().max()))
+    return gap
+
+
+def test_a_second_rollout_engine_synced_sharded_pushed_and_stopped(
     rollout_address, trainer, tiny_model_dir, tmp_path, logp_ceiling
 ) -> None:
+    """A fresh second rollout service: (1) at version 0 it serves the tiny model, and a run on another
+    checkpoint must push that checkpoint before its first Generate (else step 1 trains on samples of a
+    policy it is not training); (2) prompts sharded over two engines sample exactly as on one; (3) a run
+    on both engines pushes every version to both; (4) SIGTERM stops it and its engine cleanly.
+    One engine start serves the four checks (~30 s each on 2 cores)."""
     from tests.numerics import float32_logprob_bound
     from trainer_service.loop import Rollouts
 
-    base = load_file(str(tiny_model_dir / "model.safetensors"))
     with start_rollout_service(tiny_model_dir, seed=0, staging_dir=tmp_path / "staging",
                                log_path=tmp_path / "second.log") as second:
-        # both engines serve the same weights: the shared one may hold another test's policy
-        with RolloutClient(rollout_address, timeout_s=120) as a:
-            a.update_weights(base, a.info().version + 1)
-        # Sharding prompts over engines must not change a sample: seeds follow the global prompt index,
-        # so runs and resumes do not depend on how many rollout services there are.
+        # (1) the initial sync
+        other = _perturbed_copy(tiny_model_dir, tmp_path / "perturbed")
+        assert _info(second).version == 0
+        cfg = RunConfig(model=str(other), rollout_addresses=[second], num_steps=1, run_dir=str(tmp_path / "other"),
+                        prompts_per_step=8, group_size=4, eval_prompts=0)
+        _, _, run = run_to_end(trainer[0], cfg)
+        assert run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
+        assert _info(second).version == 2  # the initial sync + the step's push
+        (m,) = metric_lines(tmp_path / "other")
+        other_ceiling = trainer_rollout_logp_ceiling(other)
+        assert m["logp_delta_max"] <= other_ceiling  # step 1 was sampled from exactly the policy being trained
+        gap = _max_logp_gap(tiny_model_dir, other)  # ... which the ceiling tells apart from the tiny model
+        assert gap > 10 * other_ceiling, (gap, other_ceiling)
+
+        # (2) both engines serve the same weights (each may hold another run's policy now), then sharding
+        # prompts over them must not change a sample: seeds follow the global prompt index, so runs and
+        # resumes do not depend on how many rollout services there are
+        base = load_file(str(tiny_model_dir / "model.safetensors"))
+        for address in (rollout_address, second):
+            with RolloutClient(address, timeout_s=120) as c:
+                c.update_weights(base, c.info().version + 1)
         prompts = [f"{a}+{b}+{c}=" for a, b, c in ((1, 2, 3), (45, 6, 78), (9, 90, 9), (12, 34, 56), (7, 0, 70))]
         groups = []
         for addresses in ([rollout_address], [rollout_address, second]):
@@ -161,7 +212,7 @@ def test_two_rollout_engines_shard_prompts_get_every_push_and_stop_on_sigterm(
         assert max(abs(x - y) for s, t in zip(one, two, strict=True)
                    for x, y in zip(s.logprobs, t.logprobs, strict=True)) <= 2 * bound
 
-        # a run on both engines: prompts spread over both, every push reaches both
+        # (3) a run on both engines: prompts spread over both, every push reaches both
         before = [_info(x).counters.samples for x in (rollout_address, second)]
         run_dir = tmp_path / "two"
         cfg = RunConfig(model=str(tiny_model_dir), rollout_addresses=[rollout_address, second],
@@ -173,7 +224,7 @@ def test_two_rollout_engines_shard_prompts_get_every_push_and_stop_on_sigterm(
         assert [i.counters.samples - b for i, b in zip(infos, before, strict=True)] == [2 * 4 * 4, 2 * 4 * 4]
         assert all(m["logp_delta_max"] <= logp_ceiling for m in metric_lines(run_dir))
 
-        # SIGTERM: the service stops gracefully (status 0) and its engine processes with it
+        # (4) SIGTERM: the service stops gracefully (status 0) and its engine processes with it
         second.process.send_signal(signal.SIGTERM)
         assert second.process.wait(timeout=60) == 0
         wait_until(lambda: not group_alive(second.process.pid), 30, "the engine processes to exit")
