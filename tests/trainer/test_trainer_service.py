@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -18,7 +20,7 @@ import pytest
 from forkrl.training.config import RunConfig, to_proto
 from forkrl.weights.checkpoint import latest_checkpoint, read_state
 from forkrl.wire.trainer.v1 import trainer_pb2
-from tests.service_fixtures import start_trainer_service, wait_until
+from tests.service_fixtures import REPO_ROOT, start_trainer_service, wait_until
 from tests.trainer.helpers import (
     SMALL,
     kept_bounds,
@@ -93,6 +95,18 @@ def test_unknown_run_ids_are_not_found_and_resume_needs_a_checkpoint(
         fresh = RunConfig(run_dir=str(tmp_path / "used"), **base)
         code, msg = _code(lambda: stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(fresh)), timeout=30))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "already holds checkpoints" in msg
+
+
+def test_a_second_trainer_on_a_taken_port_fails_instead_of_sharing_it(trainer) -> None:
+    """grpc.so_reuseport is off: a trainer started on a port in use exits with an error, where with
+    gRPC's default it would start and silently share the port (and the traffic) with the first one."""
+    address, runs_root = trainer
+    port = address.rsplit(":", 1)[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer_service", "--port", port, "--runs-root", str(runs_root), "--no-tensorboard"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode != 0 and f"could not bind 127.0.0.1:{port}" in proc.stderr + proc.stdout
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "reinforce", "rloo", "gspo", "cispo"])
