@@ -230,7 +230,8 @@ class RolloutEngine:
             self._check_version(target_version)
             self._check_metas(metas, total_bytes)
             async with staged_weights(self.staging_dir, target_version, metas, total_bytes, sha256, chunks) as staged:
-                result = await self._swap(str(staged.path), target_version)
+                # the swap owns the file from here: the reload may outlive this call (a cancelled push)
+                result = await self._swap(str(staged.path), target_version, staged=staged.hand_over())
             result.receive_s, result.bytes_received = staged.receive_s, staged.bytes_received
             return result
         except BaseException:
@@ -266,13 +267,22 @@ class RolloutEngine:
             self.counters.rejected_weight_updates += 1
             raise
 
-    async def _swap(self, path: str, target_version: int) -> SwapResult:
-        async with self._apply_lock:
-            self._check_version(target_version)  # again: another swap may have won the race
-            # The reload runs as its own task: if the caller's RPC is cancelled mid-reload, the reload
-            # still completes and the version is committed, so version and weights never disagree.
-            task = asyncio.create_task(self._drain_and_reload(path, target_version))
-            return await asyncio.shield(task)
+    async def _swap(self, path: str, target_version: int, staged: Path | None = None) -> SwapResult:
+        """Drain and reload from `path`; `staged` (a staging file) is removed once the reload is over."""
+        try:
+            async with self._apply_lock:
+                self._check_version(target_version)  # again: another swap may have won the race
+                # The reload runs as its own task: if the caller's RPC is cancelled mid-reload (or while
+                # draining), the reload still completes and the version is committed, so version and
+                # weights never disagree. The task, not the caller, removes the staged file afterwards.
+                task = asyncio.create_task(self._drain_and_reload(path, target_version))
+                if staged is not None:
+                    task.add_done_callback(lambda _t, f=staged: f.unlink(missing_ok=True))
+                    staged = None
+                return await asyncio.shield(task)
+        finally:
+            if staged is not None:  # the reload never started (stale version, cancelled waiting for the lock)
+                staged.unlink(missing_ok=True)
 
     async def _drain_and_reload(self, path: str, target_version: int) -> SwapResult:
         t0 = time.perf_counter()

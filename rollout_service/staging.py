@@ -44,6 +44,12 @@ class Staged:
     path: Path
     bytes_received: int
     receive_s: float
+    handed_over: bool = False
+
+    def hand_over(self) -> Path:
+        """Give the file to whoever reloads from it (they delete it); `staged_weights` then leaves it alone."""
+        self.handed_over = True
+        return self.path
 
 
 @contextlib.asynccontextmanager
@@ -57,7 +63,9 @@ async def staged_weights(
 ) -> AsyncIterator[Staged]:
     """Receive `chunks` into a staging file laid out by `metas` (already validated), check the byte count
     and the checksum, and yield the file; it is deleted when the block exits, whatever happened (a bad
-    chunk, a mismatch, the caller's stream cancelled, a failed reload)."""
+    chunk, a mismatch, the caller's stream cancelled before the swap), unless it was handed over to the swap
+    (`Staged.hand_over`), which deletes it when the reload is over: a cancelled caller must not pull the file
+    from under a reload that is still reading it."""
     t0 = time.perf_counter()
     if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256.lower()):
         raise InvalidArgument(f"header.sha256 must be 64 hex characters, got {sha256[:80]!r}")
@@ -67,6 +75,7 @@ async def staged_weights(
         raise ResourceExhausted(f"staging dir {staging_dir} has {free} bytes free, the weights need {total_bytes}")
     fd, name = tempfile.mkstemp(prefix=f"v{target_version}-", suffix=".safetensors", dir=staging_dir)
     path = Path(name)
+    staged: Staged | None = None
     try:
         received = 0
         stager = _Stager(os.fdopen(fd, "wb", buffering=0), prefix)
@@ -88,9 +97,11 @@ async def staged_weights(
             raise InvalidArgument(f"the stream ended after {received} of header.total_bytes {total_bytes} bytes")
         if got != sha256.lower():
             raise ChecksumMismatch(f"sha256 of the received bytes is {got}, header.sha256 says {sha256}")
-        yield Staged(path, received, receive_s)
+        staged = Staged(path, received, receive_s)
+        yield staged
     finally:
-        path.unlink(missing_ok=True)
+        if staged is None or not staged.handed_over:
+            path.unlink(missing_ok=True)
 
 
 class _Stager:

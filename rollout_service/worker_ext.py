@@ -12,12 +12,14 @@ stages pushed weights as a safetensors file (in /dev/shm when it exists) and pas
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Iterator
 
 import torch
 
-from forkrl.weights.safetensors import checkpoint_files, iter_safetensors
+from forkrl.weights.safetensors import _ST_DTYPES, checkpoint_files, iter_safetensors, read_header
 
 # bf16 engines on CPU die with SIGILL inside the attention kernels unless AMX tiles were requested for
 # the process before first use; the worker imports this module at start-up, which is early enough.
@@ -37,6 +39,8 @@ class WeightReloadExtension:
         files = checkpoint_files(path)
         if not files:
             raise FileNotFoundError(f"no *.safetensors under {path}")
+        for f in files:  # before the model is touched: see check_data_section
+            check_data_section(f)
         count = 0
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -47,3 +51,25 @@ class WeightReloadExtension:
 
         self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
         return {"tensors": count, "seconds": time.perf_counter() - start}
+
+
+def check_data_section(path: str | os.PathLike) -> None:
+    """Every tensor's bytes lie inside the file and match its dtype and shape.
+
+    vLLM's in-place reload swaps each layer's parameters for placeholders first and restores them only
+    when the whole iterator was consumed: a file that fails half-way (truncated, a bad header) would leave
+    the model unable to take any later reload. So a file is checked completely before the reload starts."""
+    header, n = read_header(path)
+    data = os.path.getsize(path) - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has unknown dtype {info['dtype']!r}")
+        if not 0 <= start <= end <= data:
+            raise ValueError(f"{path}: tensor {name!r} spans bytes [{start}, {end}) of a {data}-byte data section "
+                             "(a truncated file?)")
+        if end - start != math.prod(info["shape"]) * dtype.itemsize:
+            raise ValueError(f"{path}: tensor {name!r} has {end - start} bytes for shape {info['shape']}")

@@ -1,12 +1,11 @@
-"""Shared fixtures. `tiny_model_dir` builds the default tiny model once (cached on disk across runs)."""
+"""Shared fixtures. `tiny_model_dir` builds the default tiny model once (cached on disk across runs).
+
+Markers (registered in pyproject.toml): slow, docker, isolated.
+"""
 
 from pathlib import Path
 
 import pytest
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: needs more than a second or two (still runs in CI)")
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,21 @@
-"""Reusable helpers for tests that need a real rollout service (and a model to serve).
+"""Reusable helpers for tests that need real services (and a model to serve).
 
-    from tests.service_fixtures import start_rollout_service, build_random_llama
+    from tests.service_fixtures import start_rollout_service, start_trainer_service, build_random_llama
 
-    with start_rollout_service(model_dir, kv_cache_gib=1) as address:
+    with start_rollout_service(model_dir, log_path=tmp_path / "rollout.log", kv_cache_gib=1) as address:
         client = RolloutClient(address)
         ...
 
-`start_rollout_service` runs `python -m rollout_service --model DIR --port P` as a subprocess in its own
-process group, waits until the standard health service says SERVING, and on exit sends SIGTERM to the
-service (graceful stop) and then SIGKILL to its process group, so no engine process outlives the tests.
+Both services are started with `--port 0`: the service binds a free port itself and reports it in its
+"listening on HOST:PORT" line, which the helper reads back. Nothing is released between choosing a
+port and binding it, so two services (or two test runs) can never race for the same port.
+
+Each service runs as a subprocess in its own process group; on exit the helper sends SIGTERM (graceful
+stop) and then SIGKILL to the process group, so no engine process outlives the tests. Logs go to
+`log_path` (give one under pytest's tmp_path); without it, to a temporary directory that is removed
+after a clean stop and whose log tail is printed otherwise.
+
+`wait_until(predicate, timeout_s, what)` is the one way tests wait: on observable state, with a deadline.
 
 `build_random_llama` writes a small random Llama checkpoint with a char-level tokenizer: the fallback
 model when the embedded tiny model (`forkrl.models.tiny`) is not available, and proof that any local HF
@@ -19,20 +26,27 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Digits, operators and a few letters: enough for the synthetic tasks and readable test prompts.
 CHARS = list("0123456789+-*=() abcdefghijklmnopqrstuvwxyz.,")
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
+# What both services print (trainer: stdout) or log (rollout: stderr) once their port is bound.
+_LISTENING = re.compile(rb"listening on [^\s:]+:(\d+)")
+
+T = TypeVar("T")
 
 
 def build_random_llama(
@@ -90,36 +104,67 @@ def build_random_llama(
     return out
 
 
+def wait_until(predicate: Callable[[], T], timeout_s: float, what: str, every_s: float = 0.02) -> T:
+    """Poll `predicate` until it returns something truthy (returned); AssertionError naming `what` after
+    `timeout_s`. The one way tests wait: on observable state, never on a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(every_s)
+
+
 class ServiceAddress(str):
-    """ "127.0.0.1:PORT", with the service's `process` (a subprocess.Popen) for tests that signal it."""
+    """ "127.0.0.1:PORT", with the service's `process` (a subprocess.Popen) and `log_path`."""
 
     process: subprocess.Popen
+    log_path: Path
 
 
 def free_port() -> int:
+    """A port that was free a moment ago. Racy by nature (it is released before anyone binds it): only
+    for commands whose ports must be known in advance (compose files); retry those on a bind failure."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
+def kill_group(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM the service (its own graceful stop shuts its engine down), then SIGKILL its whole
     process group: nothing it started survives, whatever state it was in."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
     # The engine core and worker are in the same group; kill whatever survived the graceful stop.
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
+        proc.wait(timeout=10)
 
 
-def wait_for_health(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+_kill_group = kill_group  # the old name, for callers outside tests/ (bench)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the process group `pgid` is still alive (zombies count as gone)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+def wait_for_health(address: str, timeout_s: float, proc: subprocess.Popen | None = None, service: str = "") -> None:
     """Poll grpc.health.v1 Check until SERVING; fail early if `proc` exited."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -129,67 +174,148 @@ def wait_for_health(address: str, timeout_s: float, proc: subprocess.Popen | Non
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"rollout service exited with code {proc.returncode} before SERVING")
-            try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                raise RuntimeError(f"service at {address} exited with code {proc.returncode} before SERVING")
+            with contextlib.suppress(grpc.RpcError):
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
                     return
-            except grpc.RpcError:
-                pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rollout service at {address} not SERVING after {timeout_s:.0f} s")
-            time.sleep(0.25)
+                raise TimeoutError(f"service at {address} not SERVING after {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+
+def _read_port(log_path: Path, proc: subprocess.Popen, timeout_s: float) -> int:
+    """The port from the service's "listening on HOST:PORT" line (it binds port 0 itself)."""
+
+    def port() -> int | None:
+        m = _LISTENING.search(log_path.read_bytes())
+        if m:
+            return int(m.group(1))
+        if proc.poll() is not None:
+            raise RuntimeError(f"service exited with code {proc.returncode} before it listened")
+        return None
+
+    return wait_until(port, timeout_s, f"the 'listening on' line in {log_path}")
+
+
+def _log_tail(log_path: Path, n_bytes: int = 4000) -> str:
+    with contextlib.suppress(OSError):
+        return log_path.read_bytes()[-n_bytes:].decode(errors="replace")
+    return "(no log)"
 
 
 @contextlib.contextmanager
+def _service(
+    cmd: list[str], name: str, log_path: str | Path | None, env: dict[str, str], startup_timeout_s: float,
+    grace_s: float, ready: Callable[[ServiceAddress], None], expect_clean_stop: bool,
+) -> Iterator[ServiceAddress]:
+    temp_dir = None
+    if log_path is None:
+        temp_dir = Path(tempfile.mkdtemp(prefix=f"forkrl-test-{name}-"))
+        log_path = temp_dir / f"{name}.log"
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    clean = False
+    try:
+        try:
+            address = ServiceAddress(f"127.0.0.1:{_read_port(log_path, proc, startup_timeout_s)}")
+            address.process, address.log_path = proc, log_path
+            ready(address)
+        except Exception as e:
+            raise RuntimeError(f"{name} service failed to start ({e}); log tail:\n{_log_tail(log_path)}") from None
+        yield address
+        clean = True
+    finally:
+        stop_report = ""
+        if clean and expect_clean_stop:  # SIGTERM alone must stop the service and everything it started
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = proc.wait(timeout=grace_s)
+                if rc != 0:
+                    stop_report = f"exited with {rc} on SIGTERM"
+                elif not _wait_gone(proc.pid, 10.0):
+                    stop_report = "left processes of its group running after SIGTERM"
+            except subprocess.TimeoutExpired:
+                stop_report = f"still running {grace_s:.0f} s after SIGTERM"
+        kill_group(proc, grace_s)
+        if temp_dir is not None:
+            if clean and not stop_report and proc.returncode in (0, -signal.SIGTERM):
+                shutil.rmtree(temp_dir, ignore_errors=True)
+            else:
+                print(f"{name} service exited with {proc.returncode}; log kept at {log_path}", file=sys.stderr)
+    if stop_report:
+        raise AssertionError(f"{name} service {stop_report}; log tail:\n{_log_tail(log_path)}")
+
+
+def _wait_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _flags(settings: dict[str, object]) -> list[str]:
+    out: list[str] = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 def start_rollout_service(
     model_dir: str | Path,
     *,
     startup_timeout_s: float = 300.0,
     log_path: str | Path | None = None,
     extra_env: dict[str, str] | None = None,
+    expect_clean_stop: bool = False,
     **settings: object,
-) -> Iterator[ServiceAddress]:
-    """Run the rollout service on a free 127.0.0.1 port; yield its address ("127.0.0.1:PORT", a str
-    whose `.process` is the Popen).
+) -> contextlib.AbstractContextManager[ServiceAddress]:
+    """Run the rollout service on a port it binds itself; yield its address ("127.0.0.1:PORT", a str with
+    `.process` and `.log_path`) once health says SERVING.
 
-    `settings` are RolloutSettings fields (`kv_cache_gib=1`, `seed=0`, ...) passed as CLI flags.
-    The service's stdout/stderr go to `log_path` (default: a temp file, printed on a failed start).
+    `settings` are RolloutSettings fields (`kv_cache_gib=1`, `seed=0`, `staging_dir=...`) passed as flags.
+    `expect_clean_stop`: on a normal exit, SIGTERM must stop the service with status 0 and leave no process
+    of its group (its engine) behind, or the exit raises AssertionError.
     """
-    port = free_port()
-    cmd = [sys.executable, "-m", "rollout_service", "--model", str(model_dir), "--port", str(port)]
-    for key, value in settings.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            cmd += [flag if value else "--no-" + key.replace("_", "-")]
-        else:
-            cmd += [flag, str(value)]
+    cmd = [sys.executable, "-m", "rollout_service", "--model", str(model_dir), "--port", "0", *_flags(settings)]
     env = {**os.environ, **(extra_env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")
-    temp_log = log_path is None
-    if temp_log:
-        log_file = tempfile.NamedTemporaryFile("w+b", prefix="rollout_service_", suffix=".log", delete=False)
-    else:
-        log_file = open(log_path, "w+b")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    address = ServiceAddress(f"127.0.0.1:{port}")
-    address.process = proc
-    try:
-        try:
-            wait_for_health(address, startup_timeout_s, proc)
-        except Exception:
-            log_file.flush()
-            log_file.seek(0)
-            tail = log_file.read().decode(errors="replace")[-4000:]
-            raise RuntimeError(f"rollout service failed to start; log tail:\n{tail}") from None
-        yield address
-    finally:
-        _kill_group(proc, grace_s=15.0)
-        log_file.close()
-        if temp_log:
-            if proc.returncode in (0, -signal.SIGTERM):  # a clean stop: nothing worth keeping
-                os.unlink(log_file.name)
-            else:
-                print(f"rollout service exited with {proc.returncode}; log kept at {log_file.name}", file=sys.stderr)
+
+    def ready(address: ServiceAddress) -> None:
+        wait_for_health(address, startup_timeout_s, address.process)
+
+    return _service(cmd, "rollout", log_path, env, startup_timeout_s, grace_s=30.0, ready=ready,
+                    expect_clean_stop=expect_clean_stop)
+
+
+def start_trainer_service(
+    runs_root: str | Path,
+    *,
+    log_path: str | Path | None = None,
+    startup_timeout_s: float = 120.0,
+    extra_env: dict[str, str] | None = None,
+    expect_clean_stop: bool = False,
+    **settings: object,
+) -> contextlib.AbstractContextManager[ServiceAddress]:
+    """`python -m trainer_service` on a port it binds itself, runs under `runs_root`, no TensorBoard.
+    `expect_clean_stop` as for `start_rollout_service`."""
+    cmd = [sys.executable, "-m", "trainer_service", "--port", "0", "--runs-root", str(runs_root),
+           "--no-tensorboard", *_flags(settings)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+
+    def ready(address: ServiceAddress) -> None:
+        wait_for_health(address, startup_timeout_s, address.process)
+
+    return _service(cmd, "trainer", log_path, env, startup_timeout_s, grace_s=60.0, ready=ready,
+                    expect_clean_stop=expect_clean_stop)

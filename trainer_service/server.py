@@ -109,7 +109,10 @@ async def _serve(settings: TrainerSettings) -> int:
     from forkrl.training.preflight import preflight
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+                                      ("grpc.max_send_message_length", 64 << 20),
+                                      # gRPC sets SO_REUSEPORT by default: a second trainer on the same port
+                                      # would start silently and share the traffic. Fail instead.
+                                      ("grpc.so_reuseport", 0)])
     manager = RunManager(Path(settings.runs_root),
                          lambda run: run_training(run, device=settings.device, tensorboard=settings.tensorboard))
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(manager, preflight), server)
@@ -117,9 +120,12 @@ async def _serve(settings: TrainerSettings) -> int:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    try:
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        port = 0
     if port == 0:
-        raise SystemExit(f"could not bind {settings.host}:{settings.port}")
+        raise SystemExit(f"could not bind {settings.host}:{settings.port} (in use?)")
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -70,7 +70,7 @@ def kept_count(n_tokens: int, top_frac: float | None) -> int:
     """k = max(1, ceil(rho * N)) for N >= 1; N if the mask is off; 0 for N = 0.
 
     The ceiling is taken on the exact rational value of the *decimal* rho (Fraction(str(rho))), so that
-    0.2 * 15 = 3.0000000000000004 in floating point still gives 3 while 0.2 * 17 gives 4.
+    0.28 * 25 = 7.000000000000001 in floating point still gives 7 while 0.2 * 17 gives 4.
     """
     check_top_frac(top_frac)
     if isinstance(n_tokens, bool) or int(n_tokens) != n_tokens or n_tokens < 0:

@@ -7,6 +7,7 @@ path as the full build (`_train`), which is too slow (~1.5-2 min on 2 cores) to 
 
 import gc
 import json
+import math
 import os
 import re
 import subprocess
@@ -27,6 +28,7 @@ from forkrl.models.tiny import (
     read_build_record,
     sha256_file,
 )
+from tests.numerics import logprob_parity
 
 REPO = Path(__file__).resolve().parents[2]
 # measured: in-process engine starts in ~3-15 s; these are what it needs on a CPU machine
@@ -46,6 +48,14 @@ SHORT = BuildConfig(max_steps=30, eval_every=10, eval_problems=64, final_eval_pr
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir):
     return load_model_and_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf64(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +100,9 @@ def test_tokenizer_is_one_char_per_token_with_bos(hf):
 
 @pytest.mark.slow
 def test_completions_follow_the_chain_format(hf, eval_problems):
+    # SFT teaches the format long before the answers (the builder stops at the first eval that reaches
+    # the accuracy target, hundreds of steps after the loss of the format tokens is ~0), so any build
+    # writes "a+b=c+d=e" nearly always, right or wrong.
     model, tokenizer = hf
     for temperature in (0.0, 1.0):
         result = evaluate_accuracy(model, eval_problems[:256], tokenizer=tokenizer, temperature=temperature)
@@ -98,22 +111,32 @@ def test_completions_follow_the_chain_format(hf, eval_problems):
         assert sum(bool(CHAIN_RE.fullmatch(t)) for t in texts) >= 0.9 * len(texts)
 
 
+def _five_sigma(p: float, *ns: int) -> float:
+    """5 standard deviations of a difference of independent accuracy estimates over ns problems each."""
+    return 5 * math.sqrt(max(p * (1 - p), 1e-3) * sum(1 / n for n in ns))
+
+
 @pytest.mark.slow
 def test_warm_start_accuracy_is_in_the_band(tiny_model_dir, hf, eval_problems):
+    """Bands from the build record, not from one build: the builder stopped because its sampled accuracy
+    reached the target; the README's documented band is 20-50%; and accuracy measured here on other
+    problems agrees with the record within sampling error. One build's numbers: bench/bench_tiny_model.py."""
     model, tokenizer = hf
-    # measured on these 1024 problems (seed-0 build): T=1 0.278, greedy 0.357; seeds 0-3 give T=1 0.26-0.28
+    record = read_build_record(tiny_model_dir)
+    acc = record["accuracy"]
+    assert record["reached_target"] and acc["stop_eval_t1"] >= record["config"]["target_accuracy"]
+    assert 0.20 <= acc["t1"] <= 0.50
     sampled = evaluate_accuracy(model, eval_problems, tokenizer=tokenizer, temperature=1.0, seed=123)
     greedy = evaluate_accuracy(model, eval_problems, tokenizer=tokenizer, temperature=0.0)
-    assert 0.15 <= sampled.accuracy <= 0.55
-    assert sampled.accuracy - 0.05 <= greedy.accuracy <= 0.75
-    record = read_build_record(tiny_model_dir)
-    assert abs(record["accuracy"]["t1"] - sampled.accuracy) < 0.1
-    # RL needs groups of each kind. Measured with 8 samples on these 256 problems: 81 all wrong, 170 mixed,
-    # 5 all right (the all-right share grows as RL learns: ~13% of groups after 150 steps)
+    n_rec = acc["final_eval_problems"]
+    assert abs(sampled.accuracy - acc["t1"]) <= _five_sigma(acc["t1"], n_rec, len(eval_problems))
+    assert abs(greedy.accuracy - acc["greedy"]) <= _five_sigma(acc["greedy"], n_rec, len(eval_problems))
+    # RL needs groups with mixed rewards. Not implied by the mean accuracy (a model always right on a
+    # quarter of the problems and never on the rest has none), but every SFT build samples with spread at
+    # T = 1: a quarter of the groups mixed is a lower bound with a wide margin (the bench prints the counts).
     grouped = evaluate_accuracy(model, eval_problems[:256], tokenizer=tokenizer, n_samples=8, seed=7)
-    counts = [sum(f == 0 for f in grouped.per_problem), sum(0 < f < 1 for f in grouped.per_problem)]
-    counts.append(sum(f == 1 for f in grouped.per_problem))
-    assert counts[0] >= 40 and counts[1] >= 80 and counts[2] >= 1, counts
+    mixed = sum(0 < f < 1 for f in grouped.per_problem)
+    assert mixed >= 64, mixed
     # the path form loads the directory itself
     assert evaluate_accuracy(tiny_model_dir, eval_problems[:64], temperature=0.0).accuracy == pytest.approx(
         evaluate_accuracy(model, eval_problems[:64], tokenizer=tokenizer, temperature=0.0).accuracy
@@ -125,38 +148,31 @@ def test_warm_start_accuracy_is_in_the_band(tiny_model_dir, hf, eval_problems):
 
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_model_dir):
-    for key, value in VLLM_ENV.items():
-        os.environ.setdefault(key, value)
-    Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
-    from vllm import LLM
+    with pytest.MonkeyPatch.context() as mp:  # the environment is restored after the module
+        for key, value in VLLM_ENV.items():
+            if key not in os.environ:
+                mp.setenv(key, value)
+        Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
+        from vllm import LLM
 
-    llm = LLM(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        logprobs_mode="processed_logprobs",  # log-softmax(logits / T): what the trainer's ratio uses
-        max_model_len=64,
-        seed=0,
-    )
-    yield llm
-    del llm
-    gc.collect()
-
-
-def _hf_logprobs(model, prompt_ids, completion_ids, temperature):
-    import torch
-
-    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(1, torch.tensor(completion_ids)[:, None])[:, 0]
+        llm = LLM(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            enforce_eager=True,
+            logprobs_mode="processed_logprobs",  # log-softmax(logits / T): what the trainer's ratio uses
+            max_model_len=64,
+            seed=0,
+        )
+        try:
+            yield llm
+        finally:
+            del llm
+            gc.collect()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_vllm_logprobs_match_hf(vllm_engine, hf, eval_problems, temperature):
-    import torch
+def test_vllm_logprobs_match_hf(vllm_engine, hf, hf64, eval_problems, temperature):
     from vllm import SamplingParams
 
     model, tokenizer = hf
@@ -166,22 +182,20 @@ def test_vllm_logprobs_match_hf(vllm_engine, hf, eval_problems, temperature):
         for i in range(len(problems))
     ]
     outputs = vllm_engine.generate([p.prompt for p in problems], params, use_tqdm=False)
-    max_delta, n_tokens, parsed = 0.0, 0, 0
+    served, seqs, parsed = [], [], 0
     for problem, out in zip(problems, outputs, strict=True):
         assert list(out.prompt_token_ids) == tokenizer(problem.prompt)["input_ids"]  # same BOS + chars
         for sample in out.outputs:
             ids = list(sample.token_ids)
-            vllm_lp = torch.tensor(
-                [step[tok].logprob for step, tok in zip(sample.logprobs, ids, strict=True)]
-            )
-            hf_lp = _hf_logprobs(model, out.prompt_token_ids, ids, temperature)
-            max_delta = max(max_delta, (vllm_lp - hf_lp).abs().max().item())
-            n_tokens += len(ids)
+            served.append([step[tok].logprob for step, tok in zip(sample.logprobs, ids, strict=True)])
+            seqs.append((list(out.prompt_token_ids), ids))
             body = ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids
             assert sample.text == tokenizer.decode(body, skip_special_tokens=True)
             parsed += extract_answer(sample.text) is not None
-    print(f"vLLM vs HF at T={temperature}: max |dlogp| {max_delta:.2e} over {n_tokens} tokens")
-    assert max_delta < 1e-4
+    worst, bound = logprob_parity(served, seqs, model, hf64, temperature)
+    print(f"vLLM vs exact at T={temperature}: max |dlogp| {worst:.2e} (float32 bound {bound:.2e}) "
+          f"over {sum(len(c) for _, c in seqs)} tokens")
+    assert worst <= bound
     assert parsed >= 0.9 * 4 * len(problems)
 
 
@@ -196,13 +210,17 @@ def test_vllm_greedy_matches_hf_greedy(vllm_engine, hf, eval_problems):
     )
     hf_greedy = evaluate_accuracy(model, problems, tokenizer=tokenizer, temperature=0.0).completions
     same = sum(out.outputs[0].text == cs[0] for out, cs in zip(outputs, hf_greedy, strict=True))
-    assert same >= 0.95 * len(problems)  # float32 near-ties may flip a few
+    # Two float32 implementations pick different argmaxes only where the top two logits are within their
+    # rounding difference (~1e-4) of each other: a near-tie, rare in ~10 tokens of a trained model. 5% of
+    # the prompts may diverge; a real mismatch (other weights, a shifted position) diverges on most.
+    assert same >= 0.95 * len(problems)
 
 
 # ---- the builder ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
+@pytest.mark.isolated  # builds into tmp_path only
 def test_build_is_deterministic_and_cached(tmp_path):
     a = build_tiny_model(tmp_path / "a", seed=0, config=SHORT, progress=False)
     b = build_tiny_model(tmp_path / "b", seed=0, config=SHORT, progress=False)
@@ -263,13 +281,14 @@ def test_default_model_dir(monkeypatch, tmp_path):
 
 def test_cli_help_does_not_import_torch():
     code = "import sys, forkrl.models.tiny; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
     out = subprocess.run(
         [sys.executable, "-m", "forkrl.models.tiny", "build", "--help"],
         cwd=REPO,
         check=True,
         capture_output=True,
         text=True,
+        timeout=120,
     )
     assert "--force" in out.stdout
 
@@ -283,6 +302,7 @@ def test_cli_build_reuses_the_cached_model(tiny_model_dir):
         check=True,
         capture_output=True,
         text=True,
+        timeout=600,
     )
     assert str(tiny_model_dir) in out.stdout and "params" in out.stdout
     assert (tiny_model_dir / MODEL_FILE).stat().st_mtime_ns == before

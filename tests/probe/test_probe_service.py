@@ -2,7 +2,8 @@
 
 Checkpoints: the tiny model copied as step_000001 and a perturbed copy as step_000002 in a tmp
 checkpoint_root inside the service's only allowed root. The server runs with one worker and no queue, so a
-second job while one is active gets 429.
+second job while one is active gets 429. The server listens on a socket bound before it starts (no port
+race); job counts and metrics are compared before/after inside each test, so any order works.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import hashlib
 import json
 import math
 import shutil
+import socket
 import threading
 import time
 from collections import Counter
@@ -25,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from probe_service.app import create_app
 from probe_service.config import ProbeSettings
-from tests.service_fixtures import build_random_llama, free_port
+from tests.service_fixtures import build_random_llama, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -96,18 +98,22 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         device="cpu",
         log_level="warning",
     )
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # bound here and handed to uvicorn: nobody can take the port in between
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
-        yield {"client": client, "root": root, "allowed": allowed, "outside": outside, "jobs": tmp / "jobs"}
-    server.should_exit = True
-    thread.join(30)
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), 30, "the probe server to start")
+        assert server.started, "the probe server exited at start-up"
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
+            yield {"client": client, "root": root, "allowed": allowed, "outside": outside, "jobs": tmp / "jobs",
+                   "tmp": tmp}
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 def _strict(text: str):
@@ -129,6 +135,18 @@ def _poll(client: httpx.Client, url: str, states: set[str], timeout_s: float = 1
 
 def _sha(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _metrics(client: httpx.Client) -> dict[str, float]:
+    """The /metrics samples as {'name{label="v"}': value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "le")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
 
 
 def test_job_end_to_end_and_wait(env):
@@ -303,27 +321,77 @@ def test_failed_job_reports_its_error(env):
 
 def test_queue_limit_429_and_cancel(env):
     client, root = env["client"], env["root"]
+    before = _metrics(client)
     big = {**SMALL_JOB, "steps": [1], "num_prompts": 512, "group_size": 16, "max_positions_per_group": 64}
     r = client.post("/probe", json={"checkpoint_root": str(root), **big})
     assert r.status_code == 202
     url = r.headers["location"]
     job_id = r.json()["id"]
-    _poll(client, url, {"running"}, timeout_s=30)
-    r2 = client.post("/probe", json={"checkpoint_root": str(root), **SMALL_JOB})
-    assert r2.status_code == 429 and "limit" in r2.json()["detail"]
-    t0 = time.monotonic()
-    d = client.delete(f"/probe/{job_id}")
+    try:
+        _poll(client, url, {"running"}, timeout_s=30)
+        r2 = client.post("/probe", json={"checkpoint_root": str(root), **SMALL_JOB})
+        assert r2.status_code == 429 and "limit" in r2.json()["detail"]
+    finally:
+        d = client.delete(f"/probe/{job_id}")
     assert d.status_code in (200, 202) and d.json()["cancel_requested"]
-    st = _poll(client, url, {"cancelled", "done", "failed"}, timeout_s=60)
-    assert st["state"] == "cancelled" and time.monotonic() - t0 < 30
+    # a running job stops at its next check: within the poll's deadline, not after its hour of work
+    st = _poll(client, url, {"cancelled", "done", "failed"}, timeout_s=120)
+    assert st["state"] == "cancelled"
     assert client.get(f"/probe/{job_id}/records").status_code == 409
     assert client.delete(f"/probe/{job_id}").status_code == 409
     assert client.get("/probe/0000").status_code == 404
     # the slot is free again
     health = client.get("/healthz").json()
     assert health["status"] == "ok" and health["jobs"].get("running", 0) == 0
-    metrics = client.get("/metrics").text
-    assert 'probe_jobs{state="cancelled"} 1.0' in metrics
-    assert 'probe_jobs{state="done"} 2.0' in metrics and 'probe_jobs{state="failed"} 1.0' in metrics
-    assert "probe_records_total" in metrics
-    assert "probe_job_seconds_bucket" in metrics and "probe_jobs_rejected_total 1.0" in metrics
+    after = _metrics(client)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    assert delta['probe_jobs{state="cancelled"}'] == 1 and delta["probe_jobs_rejected_total"] == 1
+    assert delta["probe_jobs_submitted_total"] == 1
+    assert delta['probe_jobs{state="done"}'] == delta['probe_jobs{state="failed"}'] == 0
+    assert delta['probe_jobs{state="running"}'] == delta['probe_jobs{state="queued"}'] == 0
+    assert delta['probe_job_seconds_count{state="cancelled"}'] == 1 and "probe_records_total" in after
+
+
+def test_dataset_path_and_symlinks_inside_a_checkpoint(env):
+    """A job's dataset must lie inside the allowed roots, like its checkpoints; a checkpoint may hold a
+    symlinked file when the link's target is inside the roots too, never one that points out of them."""
+    client, root, allowed, tmp = env["client"], env["root"], env["allowed"], env["tmp"]
+    data = allowed / "data" / "one_digit.jsonl"  # every prompt is BOS + 'a+b+c=': 7 tokens
+    data.parent.mkdir(exist_ok=True)
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}+{c}=", "answer": str(a + b + c)}) + "\n"
+                            for a in range(10) for b in range(10) for c in range(10)))
+    (tmp / "outside_data.jsonl").write_text(data.read_text())
+
+    def linked_checkpoint(name: str, target: Path) -> Path:
+        d = allowed / name
+        d.mkdir(exist_ok=True)
+        for f in (root / "step_000001").iterdir():
+            if f.name != "model.safetensors":
+                shutil.copy(f, d / f.name)
+        (d / "model.safetensors").unlink(missing_ok=True)
+        (d / "model.safetensors").symlink_to(target)
+        return d
+
+    inside = linked_checkpoint("linked_inside", root / "step_000001" / "model.safetensors")
+    leaky = linked_checkpoint("linked_outside", env["outside"] / "step_000009" / "model.safetensors")
+    job = {**SMALL_JOB, "steps": [], "num_prompts": 4, "max_new_tokens": 12, "modules": ["lm_head"],
+           "layers": [-1], "row_specs": ["start"], "proj_k": [1]}
+    for body, code, needle in (
+        ({"checkpoints": [str(leaky)], "dataset": str(data)}, 403, "links outside the allowed roots"),
+        ({"checkpoints": [str(inside)], "dataset": str(tmp / "outside_data.jsonl")}, 403, "outside the allowed"),
+        ({"checkpoints": [str(inside)], "dataset": str(allowed / "data" / "nope.jsonl")}, 404, "does not exist"),
+        ({"checkpoints": [str(inside)], "dataset": f"{allowed}/data/../data/one_digit.jsonl"}, 400, ".."),
+    ):
+        r = client.post("/probe", json={**job, **body})
+        assert r.status_code == code and needle in r.json()["detail"], (body, r.status_code, r.text)
+
+    r = client.post("/probe", params={"wait": "true"}, json={**job, "checkpoints": [str(inside)], "dataset": str(data)})
+    assert r.status_code == 200, r.text
+    summary = _strict(r.text)
+    assert summary["settings"]["dataset"] == str(data) and summary["n_records"] > 0
+    manifest = client.get(f"{r.headers['location']}/manifest").json()
+    assert manifest["resolved"]["reward"] == "math_verify"  # a dataset's default reward
+    # the weights read were the link's target
+    assert manifest["checkpoints"][0]["weight_files"][0]["sha256"] == _sha(root / "step_000001" / "model.safetensors")
+    records = client.get(f"{r.headers['location']}/records", params={"format": "json"}).json()
+    assert records and all(x["position"] - x["response_position"] == 7 for x in records)  # the dataset's prompts

@@ -1,11 +1,19 @@
 """Rollout service plumbing with a fake inference backend: the real gRPC server, RolloutEngine (validation,
 gate, versions, weight staging) and RolloutClient; only vLLM is replaced. Model behaviour (logprobs,
-reloads that change the samples) is tested against the real engine in test_rollout_service.py."""
+reloads that change the samples) is tested against the real engine in test_rollout_service.py.
+
+Nothing here depends on timing: the fake backend finishes a sample at once unless the test holds it at
+`sample_gate`, and a reload waits at `reload_gate` while the test looks. Every wait is on observable
+state (`wait_until`). Tests that break a server (a failed reload, the load gate) get their own; the
+shared one is only ever left as it was found, and counters are compared before/after within a test.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,14 +35,18 @@ from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from rollout_service.config import RolloutSettings
 from rollout_service.server import build_server
 from rollout_service.types import Completion, SamplingSpec
+from tests.service_fixtures import REPO_ROOT, wait_until
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 MODEL = {"embed.weight": torch.randn(50, 8), "norm.weight": torch.ones(8)}
+MODEL_BYTES = sum(v.numel() * 4 for v in MODEL.values())  # 1632
 
 
 class FakeBackend:
-    """Deterministic completions; sample j takes (j + 1) * max_new_tokens ms. `hold` (an asyncio
-    Event on the server loop) keeps a reload in progress until the test sets it."""
+    """Deterministic completions, finished at once unless held. Samples with index >= `hold_from_sample`
+    wait until `sample_gate` is set; a reload waits at `reload_gate` when set, and raises `fail_reload`
+    when set (after it has read the staged file, like a reload that fails half-way). Both gates are asyncio
+    Events on the server loop: create and set them with `ServerThread.event()` / `ServerThread.set()`."""
 
     vocab_size = vocab_limit = 50
     eos_token_id = 2
@@ -44,20 +56,29 @@ class FakeBackend:
         self.model = model
         self.engine_settings = {"dtype": "float32", "device": "fake", "engine_mode": "fake"}
         self.running: set[str] = set()
+        self.finished: list[str] = []
         self.aborted: list[str] = []
+        self.encoded: list[str] = []
         self.reloaded: list[dict[str, torch.Tensor]] = []
-        self.hold: asyncio.Event | None = None
+        self.reloads_started = 0
+        self.hold_from_sample: int | None = None
+        self.sample_gate: asyncio.Event | None = None
+        self.reload_gate: asyncio.Event | None = None
+        self.fail_reload: Exception | None = None
+        self.dead = False
 
     def encode(self, text: str) -> list[int]:
+        self.encoded.append(text)
         return [4 + ord(c) % 40 for c in text]
 
-    async def generate_one(
-        self, rid: str, ids: list[int], spec: SamplingSpec, seed: int | None
-    ) -> Completion:
+    async def generate_one(self, rid: str, ids: list[int], spec: SamplingSpec, seed: int | None) -> Completion:
         self.running.add(rid)
         try:
-            await asyncio.sleep((int(rid.rsplit("-", 1)[1]) + 1) * spec.max_new_tokens / 1000)
+            j = int(rid.rsplit("-", 1)[1])
+            if self.hold_from_sample is not None and j >= self.hold_from_sample and self.sample_gate is not None:
+                await self.sample_gate.wait()
             toks = [(seed or 0) % 50] * spec.max_new_tokens
+            self.finished.append(rid)
             return Completion(toks, "x" * len(toks), [-0.5] * len(toks), "length")
         finally:
             self.running.discard(rid)
@@ -66,15 +87,19 @@ class FakeBackend:
         self.aborted += request_ids
 
     async def reload(self, path: str) -> None:
-        state = {k: v for f in checkpoint_files(path) for k, v in load_file(f).items()}
+        self.reloads_started += 1
+        if self.reload_gate is not None:
+            await self.reload_gate.wait()
+        files = checkpoint_files(path)
+        if not files:  # what the vLLM worker extension does
+            raise FileNotFoundError(f"no *.safetensors under {path}")
+        state = {k: v for f in files for k, v in load_file(f).items()}
+        if self.fail_reload is not None:
+            raise self.fail_reload
         self.reloaded.append(state)
-        if self.hold is not None:
-            await self.hold.wait()
 
     def num_unfinished(self) -> int:
         return len(self.running)
-
-    dead = False
 
     def errored(self) -> bool:
         return self.dead
@@ -84,23 +109,34 @@ class FakeBackend:
 
 
 class ServerThread:
-    """The real grpc.aio server on its own event loop in a thread; `load_gate` delays the engine start."""
+    """The real grpc.aio server on its own event loop in a thread. The engine starts when `load_gate` is
+    set (at once unless `hold_load`)."""
 
-    def __init__(self, model_dir: Path) -> None:
-        self.settings = RolloutSettings(model=str(model_dir), port=0, staging_dir=str(model_dir / "staging"))
+    def __init__(self, model_dir: Path, staging_dir: Path, hold_load: bool = False) -> None:
+        self.settings = RolloutSettings(model=str(model_dir), port=0, staging_dir=str(staging_dir))
+        self.staging_dir = staging_dir
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.backend: FakeBackend | None = None
-        self.load_gate = self.run(self._make_event())
-        self.server, self.servicer, self.health, port = self.run(self._build())
-        self.address = f"127.0.0.1:{port}"
+        self.load_gate = self.event()
+        self.server, self.servicer, self.health, self.port = self.run(self._build())
+        self.address = f"127.0.0.1:{self.port}"
+        if not hold_load:
+            self.set(self.load_gate)
+            wait_until(lambda: self.servicer.engine is not None, 30, "the fake engine to load")
 
     def run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
 
-    async def _make_event(self) -> asyncio.Event:
-        return asyncio.Event()
+    def event(self) -> asyncio.Event:
+        async def make() -> asyncio.Event:
+            return asyncio.Event()
+
+        return self.run(make())
+
+    def set(self, event: asyncio.Event) -> None:
+        self.loop.call_soon_threadsafe(event.set)
 
     async def _build(self) -> tuple:
         server, servicer, health, port = build_server(self.settings)
@@ -115,8 +151,8 @@ class ServerThread:
         self.load_task = asyncio.ensure_future(servicer.load(make_backend))
         return server, servicer, health, port
 
-    def set_event(self, event: asyncio.Event) -> None:
-        self.loop.call_soon_threadsafe(event.set)
+    def staged(self) -> list[Path]:
+        return list(self.staging_dir.iterdir()) if self.staging_dir.exists() else []
 
     def stop(self) -> None:
         self.run(self.server.stop(0))
@@ -131,9 +167,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+@pytest.fixture
+def own_server(model_dir: Path, tmp_path: Path) -> Iterator[ServerThread]:
+    """A server of the test's own, for tests that leave it broken or need it before the engine loads."""
+    s = ServerThread(model_dir, tmp_path / "staging")
+    yield s
+    s.stop()
+
+
 @pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[ServerThread]:
-    s = ServerThread(model_dir)
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    s = ServerThread(model_dir, tmp_path_factory.mktemp("staging"))
     yield s
     s.stop()
 
@@ -141,6 +185,7 @@ def server(model_dir: Path) -> Iterator[ServerThread]:
 @pytest.fixture(scope="module")
 def client(server: ServerThread) -> Iterator[RolloutClient]:
     c = RolloutClient(server.address, timeout_s=20)
+    c.wait_ready(10)
     yield c
     c.close()
 
@@ -151,24 +196,30 @@ def _code_and_message(fn: Any) -> tuple[grpc.StatusCode, str]:
     return e.value.code(), e.value.details()
 
 
-def test_not_serving_and_unavailable_while_loading(server: ServerThread, client: RolloutClient):
-    assert client.health() == NOT_SERVING
-    code, msg = _code_and_message(lambda: client.info(timeout_s=1))
-    assert code == grpc.StatusCode.UNAVAILABLE and "loading" in msg
-    server.set_event(server.load_gate)
-    client.wait_ready(timeout_s=10)
-    assert client.health() == SERVING
-    assert client.info().version == 0
+def test_not_serving_and_unavailable_while_loading(model_dir: Path, tmp_path: Path):
+    server = ServerThread(model_dir, tmp_path / "staging", hold_load=True)
+    try:
+        with RolloutClient(server.address, timeout_s=20) as client:
+            assert client.health() == NOT_SERVING
+            code, msg = _code_and_message(lambda: client.info(timeout_s=1))
+            assert code == grpc.StatusCode.UNAVAILABLE and "loading" in msg
+            server.set(server.load_gate)
+            client.wait_ready(timeout_s=10)
+            assert client.health() == SERVING
+            assert client.info().version == 0
+    finally:
+        server.stop()
 
 
 def test_streams_every_sample_with_derived_seeds(server: ServerThread, client: RolloutClient):
+    version = client.info().version
     ts = list(client.generate(["ab", [5, 6, 7]], n=3, temperature=1.0, max_new_tokens=4, seed=7))
     assert sorted((t.prompt_index, t.sample_index) for t in ts) == [
         (i, j) for i in range(2) for j in range(3)
     ]
     for t in ts:
         assert list(t.completion_token_ids) == [sample_seed(7, t.prompt_index, t.sample_index) % 50] * 4
-        assert t.finish_reason == pb.FINISH_REASON_LENGTH and t.policy_version == 0
+        assert t.finish_reason == pb.FINISH_REASON_LENGTH and t.policy_version == version
     by_prompt = {t.prompt_index: list(t.prompt_token_ids) for t in ts}
     assert by_prompt == {0: [4 + ord("a") % 40, 4 + ord("b") % 40], 1: [5, 6, 7]}
     # prompt_offsets replace positions in the seed: prompt 0 here samples like prompt 5 of a bigger batch
@@ -221,20 +272,24 @@ def test_missing_sampling_and_prompt_without_input(server: ServerThread):
 
 
 def test_cancel_aborts_unfinished_samples(server: ServerThread, client: RolloutClient):
+    backend = server.backend
+    assert backend is not None
     before = client.info().counters
-    stream = client.generate([[1], [2]], n=4, max_new_tokens=40, seed=0)  # sample j takes (j + 1) * 40 ms
-    first = next(stream)
-    assert first.sample_index == 0
-    stream.close()  # the client cancels the call
-    deadline = time.monotonic() + 5
-    while client.info().counters.running_requests and time.monotonic() < deadline:
-        time.sleep(0.02)
+    finished_before, aborted_before = len(backend.finished), len(backend.aborted)
+    backend.sample_gate, backend.hold_from_sample = server.event(), 1  # samples 1..3 of each prompt wait
+    try:
+        stream = client.generate([[1], [2]], n=4, max_new_tokens=4, seed=0)
+        assert next(stream).sample_index == 0
+        wait_until(lambda: len(backend.finished) == finished_before + 2, 10, "both samples 0 to finish")
+        stream.close()  # the client cancels the call with 6 samples still running
+        wait_until(lambda: client.info().counters.running_requests == 0, 10, "the engine to be idle")
+    finally:
+        backend.hold_from_sample = None
+        server.set(backend.sample_gate)
     after = client.info().counters
-    assert after.running_requests == 0
-    aborted = after.aborted_requests - before.aborted_requests
-    assert aborted + (after.samples - before.samples) == 8
-    assert aborted >= 4  # samples 2 and 3 of both prompts need >= 120 ms
-    assert server.backend is not None and len(server.backend.aborted) == aborted
+    assert after.aborted_requests - before.aborted_requests == 6
+    assert after.samples - before.samples == 2
+    assert len(backend.aborted) - aborted_before == 6 and len(backend.finished) == finished_before + 2
 
 
 def _push(
@@ -259,8 +314,10 @@ def _messages(state: dict[str, torch.Tensor], version: int, chunk_bytes: int = 6
 
 def test_update_weights_validation(server: ServerThread, client: RolloutClient):
     good = {k: v + 1 for k, v in MODEL.items()}
-    version = client.info().version
-    rejected = client.info().counters.rejected_weight_updates
+    info = client.info()
+    version, rejected, reloads = info.version, info.counters.rejected_weight_updates, info.counters.weight_reloads
+    assert server.backend is not None
+    reloaded_before = len(server.backend.reloaded)
     with grpc.insecure_channel(server.address) as ch:
         stub = pb_grpc.RolloutServiceStub(ch)
         msgs = _messages(good, version + 1)
@@ -301,12 +358,13 @@ def test_update_weights_validation(server: ServerThread, client: RolloutClient):
             (
                 msgs[:-1],
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"the stream ended after {1632 - len(msgs[-1].chunk)} of header.total_bytes 1632 bytes",
+                f"the stream ended after {MODEL_BYTES - len(msgs[-1].chunk)} of header.total_bytes "
+                f"{MODEL_BYTES} bytes",
             ),
             (
                 msgs + msgs[-1:],
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "received more than header.total_bytes (1632) bytes",
+                f"received more than header.total_bytes ({MODEL_BYTES}) bytes",
             ),
             (
                 _messages(good, version + 1, sha256="0" * 64),
@@ -322,70 +380,158 @@ def test_update_weights_validation(server: ServerThread, client: RolloutClient):
             (
                 _messages(good, version + 1, total_bytes=5),
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "header.total_bytes must be 1632 (the sum of header.tensors[].nbytes), got 5",
+                f"header.total_bytes must be {MODEL_BYTES} (the sum of header.tensors[].nbytes), got 5",
             ),
         ]
         for messages, code, message in cases:
             got = _code_and_message(lambda messages=messages: _push(stub, messages))
             assert got == (code, message)
     info = client.info()
-    assert info.version == version and info.counters.weight_reloads == 0
+    assert info.version == version and info.counters.weight_reloads == reloads
     assert info.counters.rejected_weight_updates == rejected + len(cases)
-    assert server.backend is not None and server.backend.reloaded == []
-    assert list(Path(server.settings.staging_dir).iterdir()) == []  # no staging file left behind
+    assert len(server.backend.reloaded) == reloaded_before
+    assert server.staged() == []  # no staging file left behind
 
 
 def test_cancelled_stream_changes_nothing(server: ServerThread, client: RolloutClient):
-    version = client.info().version
+    info = client.info()
+    version, rejected = info.version, info.counters.rejected_weight_updates
+    assert server.backend is not None
+    reloads_before = server.backend.reloads_started
     msgs = _messages({k: v * 3 for k, v in MODEL.items()}, version + 1)
-    sent = threading.Event()
+    release = threading.Event()
 
     def slow() -> Iterator[pb.UpdateWeightsRequest]:
         yield from msgs[:3]
-        sent.set()
-        time.sleep(30)  # never finishes: the call is cancelled meanwhile
+        release.wait(30)  # never sends the rest: the call is cancelled meanwhile
 
-    with grpc.insecure_channel(server.address) as ch:
-        fut = pb_grpc.RolloutServiceStub(ch).UpdateWeights.future(slow(), timeout=30)
-        sent.wait(5)
-        time.sleep(0.2)
-        fut.cancel()
-    deadline = time.monotonic() + 5
-    while client.info().counters.rejected_weight_updates == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert client.info().version == version
-    assert server.backend is not None and server.backend.reloaded == []
-    assert list(Path(server.settings.staging_dir).iterdir()) == []
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            fut = pb_grpc.RolloutServiceStub(ch).UpdateWeights.future(slow(), timeout=30)
+            # the header passed the checks and the service is staging the payload: cancel mid-stream
+            wait_until(server.staged, 10, "a staging file")
+            fut.cancel()
+            wait_until(lambda: client.info().counters.rejected_weight_updates == rejected + 1, 10,
+                       "the service to see the cancel")
+    finally:
+        release.set()
+    assert client.info().version == version and server.backend.reloads_started == reloads_before
+    wait_until(lambda: server.staged() == [], 10, "the staging file to be removed")
 
 
 def test_swap_is_not_serving_and_later_generates_wait(server: ServerThread, client: RolloutClient):
-    assert server.backend is not None
-    version = client.info().version
+    backend = server.backend
+    assert backend is not None
+    info = client.info()
+    version, requests = info.version, info.counters.requests
     new = {k: v * 2 for k, v in MODEL.items()}
-    server.backend.hold = server.run(server._make_event())
+    backend.reload_gate = server.event()
     result: dict[str, Any] = {}
     pusher = threading.Thread(
         target=lambda: result.update(v=client.update_weights(new, version + 1, chunk_bytes=100))
     )
-    pusher.start()
-    deadline = time.monotonic() + 5
-    while not server.backend.reloaded and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert client.health() == NOT_SERVING  # the reload is in progress (held)
     late: list[pb.Trajectory] = []
-    gen = threading.Thread(target=lambda: late.extend(client.generate([[1]], n=2, max_new_tokens=1)))
-    gen.start()
-    time.sleep(0.2)
-    assert not late  # waits at the gate while the weights are swapped
-    server.set_event(server.backend.hold)
-    pusher.join(10)
-    gen.join(10)
+    gen = threading.Thread(target=lambda: late.extend(client.generate(["a"], n=2, max_new_tokens=1)))
+    encoded = len(backend.encoded)
+    reloads = backend.reloads_started
+    try:
+        pusher.start()
+        wait_until(lambda: backend.reloads_started == reloads + 1, 10, "the reload to start")
+        t_reload_seen = time.perf_counter()
+        assert client.health() == NOT_SERVING  # the reload is in progress (held)
+        gen.start()
+        wait_until(lambda: len(backend.encoded) == encoded + 1, 10, "the Generate call to reach the engine")
+        # it is inside the engine but has not passed the gate (requests count once through it)
+        assert client.info().counters.requests == requests and not late
+    finally:
+        t_release = time.perf_counter()
+        server.set(backend.reload_gate)
+        pusher.join(10)
+        gen.join(10)
+        backend.reload_gate = None
     assert result["v"] == version + 1 and client.health() == SERVING
-    assert [t.policy_version for t in late] == [version + 1] * 2
-    staged = server.backend.reloaded[-1]
+    assert [t.policy_version for t in late] == [version + 1] * 2  # sampled after the swap, not before
+    staged = backend.reloaded[-1]
     assert staged.keys() == new.keys() and all(torch.equal(staged[k], new[k]) for k in new)
     resp = client.last_weights_response
-    assert resp.bytes_received == 1632 and resp.apply_s >= 0.1  # held ~0.2 s
+    # the reload was seen running at t_reload_seen and could only finish after t_release
+    assert resp.bytes_received == MODEL_BYTES and resp.apply_s >= t_release - t_reload_seen
+
+
+def test_a_reload_that_fails_half_way_is_not_serving_until_a_good_push(own_server: ServerThread):
+    backend = own_server.backend
+    assert backend is not None
+    backend.fail_reload = RuntimeError("worker lost the file half-way")
+    with RolloutClient(own_server.address, timeout_s=20) as client:
+        code, msg = _code_and_message(lambda: client.update_weights({k: v * 2 for k, v in MODEL.items()}, 1))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "worker lost the file half-way" in msg
+        # the served weights are unknown: not serving, no samples, the version not bumped
+        assert client.health() == NOT_SERVING and client.info().version == 0
+        code, msg = _code_and_message(lambda: list(client.generate([[1]], n=1, max_new_tokens=1, timeout_s=5)))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "reload failed half-way" in msg
+        # a good push repairs it
+        backend.fail_reload = None
+        good = {k: v * 3 for k, v in MODEL.items()}
+        assert client.update_weights(good, 1) == 1
+        assert client.health() == SERVING
+        assert [t.policy_version for t in client.generate([[1]], n=2, max_new_tokens=1)] == [1, 1]
+        assert torch.equal(backend.reloaded[-1]["norm.weight"], good["norm.weight"])
+
+
+def test_a_cancel_during_the_reload_still_commits_the_version(own_server: ServerThread):
+    """The reload is its own task: a caller that gives up mid-reload does not leave the engine holding
+    weights of one version while it reports another."""
+    backend = own_server.backend
+    assert backend is not None
+    new = {k: v * 4 for k, v in MODEL.items()}
+    backend.reload_gate = own_server.event()
+    with RolloutClient(own_server.address, timeout_s=20) as client, grpc.insecure_channel(own_server.address) as ch:
+        fut = pb_grpc.RolloutServiceStub(ch).UpdateWeights.future(iter(_messages(new, 1)), timeout=30)
+        try:
+            wait_until(lambda: backend.reloads_started == 1, 10, "the reload to start")
+            rejected = client.info().counters.rejected_weight_updates
+            fut.cancel()
+            assert fut.cancelled()
+            wait_until(lambda: client.info().counters.rejected_weight_updates == rejected + 1, 10,
+                       "the service to see the cancel")
+            assert client.health() == NOT_SERVING and client.info().version == 0  # still reloading
+        finally:
+            own_server.set(backend.reload_gate)
+        wait_until(lambda: client.health() == SERVING, 10, "SERVING after the reload")
+        assert client.info().version == 1
+        assert torch.equal(backend.reloaded[-1]["embed.weight"], new["embed.weight"])
+        assert [t.policy_version for t in client.generate([[1]], n=1, max_new_tokens=1)] == [1]
+    wait_until(lambda: own_server.staged() == [], 10, "the staging file to be removed")
+
+
+def test_a_cancel_while_draining_still_reloads_the_staged_weights(own_server: ServerThread):
+    """Cancel the push while the swap waits for a running sample (the drain): the staged file must
+    still be there when the reload starts, or the engine is left without the weights it was promised."""
+    backend = own_server.backend
+    assert backend is not None
+    backend.sample_gate, backend.hold_from_sample = own_server.event(), 0
+    new = {k: v * 5 for k, v in MODEL.items()}
+    with RolloutClient(own_server.address, timeout_s=20) as client, grpc.insecure_channel(own_server.address) as ch:
+        sampler = threading.Thread(target=lambda: list(client.generate([[1]], n=1, max_new_tokens=1)))
+        sampler.start()
+        try:
+            wait_until(lambda: backend.running, 10, "a sample in the engine")
+            fut = pb_grpc.RolloutServiceStub(ch).UpdateWeights.future(iter(_messages(new, 1)), timeout=30)
+            wait_until(lambda: client.health() == NOT_SERVING, 10, "the swap to close the gate")
+            rejected = client.info().counters.rejected_weight_updates
+            fut.cancel()
+            assert fut.cancelled()
+            wait_until(lambda: client.info().counters.rejected_weight_updates == rejected + 1, 10,
+                       "the service to see the cancel")
+            assert backend.reloads_started == 0  # still draining
+        finally:
+            backend.hold_from_sample = None
+            own_server.set(backend.sample_gate)
+            sampler.join(10)
+        wait_until(lambda: client.health() == SERVING, 10, "SERVING after the reload")
+        assert client.info().version == 1
+        assert torch.equal(backend.reloaded[-1]["embed.weight"], new["embed.weight"])
+    wait_until(lambda: own_server.staged() == [], 10, "the staging file to be removed")
 
 
 def test_load_weights_checks_the_directory(tmp_path: Path, client: RolloutClient, server: ServerThread):
@@ -404,15 +550,31 @@ def test_load_weights_checks_the_directory(tmp_path: Path, client: RolloutClient
     code, msg = _code_and_message(lambda: client.load_weights(str(tmp_path), version))
     assert code == grpc.StatusCode.ABORTED
     assert client.load_weights(str(tmp_path), version + 1) == version + 1
+    assert server.backend is not None
     assert torch.equal(server.backend.reloaded[-1]["norm.weight"], MODEL["norm.weight"] * 5)
 
 
 def test_samples_finishing_together_share_a_message(server: ServerThread):
-    # sample j of every prompt finishes at (j + 1) * 30 ms: 3 groups of 4 prompts
+    backend = server.backend
+    assert backend is not None
+    # all 12 samples wait at the gate, then finish in the same event-loop turn
+    backend.sample_gate, backend.hold_from_sample = server.event(), 0
     req = pb.GenerateRequest(prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=[i + 1])) for i in range(4)],
-                             sampling=pb.SamplingParams(n=3, max_new_tokens=30, seed=0))
-    with grpc.insecure_channel(server.address) as ch:
-        responses = list(pb_grpc.RolloutServiceStub(ch).Generate(req, timeout=10))
+                             sampling=pb.SamplingParams(n=3, max_new_tokens=3, seed=0))
+    responses: list[pb.GenerateResponse] = []
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            call = threading.Thread(
+                target=lambda: responses.extend(pb_grpc.RolloutServiceStub(ch).Generate(req, timeout=10))
+            )
+            running = len(backend.running)
+            call.start()
+            wait_until(lambda: len(backend.running) == running + 12, 10, "12 samples in the engine")
+            server.set(backend.sample_gate)
+            call.join(10)
+    finally:
+        backend.hold_from_sample = None
+        server.set(backend.sample_gate)
     sizes = [1 if r.HasField("trajectory") else len(r.trajectories) for r in responses]
     assert sum(sizes) == 12 and len(responses) < 12
     for r in responses:
@@ -428,20 +590,35 @@ def test_messages_stay_under_a_mebibyte():
     assert all(sum(t.ByteSize() for t in g) <= 1 << 20 for g in groups)
 
 
+@pytest.mark.slow
+def test_a_second_service_on_a_taken_port_fails_instead_of_sharing_it(server: ServerThread, model_dir: Path):
+    """so_reuseport is off: a rollout service started on a port in use exits with an error."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollout_service", "--model", str(model_dir), "--port", str(server.port)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{server.port}" in proc.stderr + proc.stdout
+
+
 def test_dead_engine_stops_the_service_with_status_1(tmp_path: Path) -> None:
-    save_file(MODEL, str(tmp_path / "model.safetensors"))
     """A crashed engine must not keep answering SERVING: the service goes NOT_SERVING and exits 1."""
     from rollout_service.server import serve
 
+    save_file(MODEL, str(tmp_path / "model.safetensors"))
     backend = FakeBackend(str(tmp_path))
 
-    async def make_backend(settings: RolloutSettings) -> FakeBackend:
-        return backend
-
     async def main() -> int:
+        loaded = asyncio.Event()
+
+        async def make_backend(settings: RolloutSettings) -> FakeBackend:
+            loaded.set()
+            return backend
+
         settings = RolloutSettings(model=str(tmp_path), port=0, staging_dir=str(tmp_path / "staging"))
         task = asyncio.ensure_future(serve(settings, make_backend))
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(loaded.wait(), timeout=30)
+        await asyncio.sleep(0)  # let serve() see the loaded engine
         assert not task.done()  # healthy engine: keeps serving
         backend.dead = True
         return await asyncio.wait_for(task, timeout=30)

@@ -13,11 +13,16 @@ from forkrl.rl.mask import forking_token_mask, kept_count, kept_denominator, mas
     [
         (17, 0.2, 4),  # 3.4 -> 4
         (5, 0.2, 1),  # 1.0 -> 1
-        (15, 0.2, 3),  # 0.2 * 15 = 3.0000000000000004 in floats; must stay 3
+        (15, 0.2, 3),  # 0.2 * 15 rounds to exactly 3.0 in doubles
         (48, 0.2, 10),  # 9.6 -> 10
         (3, 0.1, 1),  # 0.3 -> max(1, 1)
         (1, 0.01, 1),  # max(1, ...)
-        (10, 0.3, 3),  # 0.3 * 10 = 3.0000000000000004
+        (10, 0.3, 3),  # 0.3 * 10 rounds to exactly 3.0 in doubles
+        # The products below are 7.000000000000001 in doubles: a naive math.ceil(rho * n) gives 8. Only the
+        # exact rational value of the decimal rho (7 exactly) gives the right k.
+        (25, 0.28, 7),
+        (50, 0.14, 7),
+        (100, 0.07, 7),
         (7, 1.0, 7),
         (7, None, 7),
         (0, 0.2, 0),
@@ -25,6 +30,16 @@ from forkrl.rl.mask import forking_token_mask, kept_count, kept_denominator, mas
 )
 def test_kept_count(n: int, rho: float | None, k: int):
     assert kept_count(n, rho) == k
+
+
+def test_naive_float_ceil_would_be_wrong():
+    """The cases above that catch a naive ceil really are ones where float multiplication overshoots."""
+    import math
+
+    assert [math.ceil(rho * n) for n, rho in ((25, 0.28), (50, 0.14), (100, 0.07))] == [8, 8, 8]
+    # and kept_count agrees with integer arithmetic on the decimal fraction for every n up to 1000
+    for rho, (num, den) in ((0.2, (1, 5)), (0.28, (7, 25)), (0.14, (7, 50)), (0.3, (3, 10))):
+        assert [kept_count(n, rho) for n in range(1, 1001)] == [max(1, -(-n * num // den)) for n in range(1, 1001)]
 
 
 @pytest.mark.parametrize("rho", [1.5, 0.0, -0.1, float("nan")])

@@ -16,6 +16,7 @@ from forkrl.probe.gradients import (
     parse_row_spec,
     reference_row_grads,
 )
+from tests.numerics import ATTN_FP32_RTOL
 
 V = 37
 
@@ -89,7 +90,7 @@ def test_exact_batched_equals_per_position_autograd(model, batch, method):
             if want[k].norm() == 0:
                 assert got[k].abs().max() < 1e-12, (t.name, k)
             else:
-                assert _rel(got[k], want[k]) < 1e-5, (t.name, k)
+                assert _rel(got[k], want[k]) < ATTN_FP32_RTOL, (t.name, k)  # padded vs alone: numerics.py
         assert want.norm() > 0
 
 
@@ -101,7 +102,8 @@ def test_logp_matches_plain_forward(model, batch, method):
     with torch.no_grad():
         logq = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits / 1.3, -1)
     want = torch.stack([logq[b, t - 1, ids[b, t]] for b, t in positions])
-    torch.testing.assert_close(res.logp, want, rtol=1e-10, atol=1e-10)
+    # the probe re-pads each chunk to its own width: float64 model, float32 attention softmax (numerics.py)
+    torch.testing.assert_close(res.logp, want, rtol=ATTN_FP32_RTOL, atol=ATTN_FP32_RTOL)
 
 
 def test_outer_product_shortcut_is_wrong_for_layer0_k_proj(model, batch):
@@ -179,4 +181,7 @@ def test_vmap_failure_falls_back_to_exact_loop(model, batch, monkeypatch):
     assert res.method == "loop"
     ref = reference_row_grads(model, ids, mask, positions, targets)
     name = targets[0].name
-    torch.testing.assert_close(res.grads[name], ref[name], rtol=1e-9, atol=1e-12)
+    # the loop cuts each trajectory after its last scored token, the reference does not: different attention
+    # row lengths, float32 attention softmax (numerics.py). The rel. error of each position's gradient:
+    for k in range(len(positions)):
+        assert _rel(res.grads[name][k], ref[name][k]) < ATTN_FP32_RTOL, k

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--out", str(tmp_path)], check=True,
-                   capture_output=True)
+                   capture_output=True, timeout=120)
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert len(generated) == 10  # 2 protos x (pb2, pyi, grpc) + 4 __init__.py
     stale = [str(rel) for rel in generated if not (ROOT / rel).is_file()

@@ -97,12 +97,11 @@ def sleepy_grade(gold: str, completion: str):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # liveness, not speed: without the per-item timeout this call sleeps for an hour
 def test_hung_worker_times_out_scores_zero_and_the_pool_is_replaced():
     grader = MathVerifyGrader(max_workers=2, timeout_s=2.0, grade_fn=sleepy_grade)
     try:
-        t0 = time.monotonic()
         result = grader.grade(["1", "hang", "2", "hang", "9"], ["1", "1", "2", "2", "3"])
-        assert time.monotonic() - t0 < 30  # never hangs
         assert result.rewards == [1.0, 0.0, 1.0, 0.0, 0.0]
         assert result.timeouts == 2
         assert grader.pools_started >= 2

@@ -151,3 +151,23 @@ def test_a_staged_payload_reads_back_in_the_worker(tmp_path):
     assert list(out) == list(state)  # payload order = file order = the order the engine loads layers in
     for name, t in state.items():
         assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
+
+
+def test_the_worker_checks_a_file_completely_before_reloading(tmp_path):
+    """vLLM cannot take another reload after one that failed half-way: the worker extension refuses a
+    truncated or inconsistent file before it touches the model."""
+    from rollout_service.worker_ext import check_data_section
+
+    path = tmp_path / "m.safetensors"
+    save_file({k: v.contiguous() for k, v in _state().items()} | {"big": torch.zeros(64, 64)}, str(path))
+    check_data_section(path)  # a complete file passes
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match=r"tensor '[\w.]+' spans bytes \[\d+, \d+\) of a \d+-byte data section"):
+        check_data_section(path)
+    metas, _, _, chunks = pack_state_dict({"w": torch.zeros(4)})
+    lying = [dict(metas[0], shape=[5])]  # the header says 5 floats, the offsets hold 4
+    prefix = safetensors_prefix(lying).replace(b'"data_offsets":[0,20]', b'"data_offsets":[0,16]')
+    path.write_bytes(prefix + b"".join(chunks))
+    with pytest.raises(ValueError, match=r"tensor 'w' has 16 bytes for shape \[5\]"):
+        check_data_section(path)
