@@ -43,7 +43,12 @@ def inside_roots(roots: list[Path]) -> Confine:
             raise RequestError(400, f"{what} {str(path)!r} must not contain '..'")
         real = p.resolve()
         if not any(real == r or real.is_relative_to(r) for r in roots):
-            raise RequestError(403, f"{what} {str(path)!r} is outside the allowed roots {[str(r) for r in roots]}")
+            allowed = [str(r) for r in roots]
+            if real != p.absolute():  # a symlink (of the path or of a folder above it) leads out
+                raise RequestError(
+                    403, f"{what} {str(path)!r} links outside the allowed roots {allowed} (to {str(real)!r})"
+                )
+            raise RequestError(403, f"{what} {str(path)!r} is outside the allowed roots {allowed}")
         return real
 
     return confine

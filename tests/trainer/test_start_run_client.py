@@ -101,8 +101,8 @@ def test_three_step_run_through_the_client(rollout_address, trainer, tiny_model_
 def test_client_rejects_bad_flags_before_sending() -> None:
     for flags, needle in (
         (["--entropy-top-frac", "1.5"], "entropy_top_frac must be in (0, 1], got 1.5"),
-        (["--loss", "ppo"], "invalid choice: 'ppo'"),
-        (["--num-steps", "0"], "num_steps"),
+        (["--loss", "ppo"], "--loss: Input should be 'grpo'"),
+        (["--num-steps", "0"], "--num-steps: Input should be greater than or equal to 1"),
         (["--loss", "rloo", "--group-size", "1"], "group_size >= 2"),
     ):
         # an unreachable trainer address: the client must fail on the flags, never try to connect
