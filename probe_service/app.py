@@ -27,7 +27,7 @@ from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from forkrl.probe.params import ProbeParams
+from forkrl.probe.params import CAVEAT, ProbeParams
 from probe_service.admission import RequestError, admit
 from probe_service.config import ProbeSettings
 from probe_service.jobs import Job, JobFinished, JobManager, JobNotFound, QueueFull
@@ -67,7 +67,8 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
     manager = JobManager(settings)
     app = FastAPI(
         title="forkrl probe service",
-        description="Entropy-binned exact gradient statistics of RL checkpoints (algorithms.md §4).",
+        description="Entropy-binned exact gradient statistics of RL checkpoints (algorithms.md §4).\n\n"
+        f"**Caveat.** {CAVEAT}",
         version="1",
         lifespan=lifespan,
     )

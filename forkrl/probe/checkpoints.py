@@ -149,7 +149,8 @@ def resolve_checkpoints(params: ProbeParams, confine: Confine = real_path) -> li
         for f in sorted(ref.path.iterdir()):  # the loader reads any of them (tokenizer files, shards)
             confine(f, f"{ref.label} file")
         check_checkpoint_dir(ref.path)
-        _check_layers(ref.path, params.layers)
+        if not params.clamp_layers:
+            _check_layers(ref.path, params.layer_indices)
     seen: dict[str, int] = {}
     for r in refs:  # unique, filesystem-safe labels (they name the plot files)
         base = re.sub(r"[^A-Za-z0-9_.-]", "_", r.label)

@@ -52,6 +52,7 @@ __all__ = [
     "exact_row_grads",
     "parse_row_spec",
     "reference_row_grads",
+    "resolve_layers",
 ]
 
 KV_MODULES = frozenset({"k_proj", "v_proj"})
@@ -99,10 +100,13 @@ def parse_row_spec(
     block_rows: int = DEFAULT_BLOCK_ROWS,
     seed: int = 0,
     salt: str = "",
+    single: bool = False,
 ) -> tuple[int, ...]:
     """Rows of a weight with `out_features` rows selected by `spec`.
 
-    - "start" / "mid" / "last": a block of consecutive rows at the start, middle or end. With `head_dim`
+    - "start" / "mid" / "last" with `single` (row mode, the seed's grain): one row, 0, out_features // 2 or
+      out_features - 1.
+    - "start" / "mid" / "last" otherwise: a block of consecutive rows at the start, middle or end. With `head_dim`
       (k_proj/v_proj, whole KV heads) the block is one whole head: the first, middle or last KV head.
       Otherwise the block has `block_rows` rows.
     - "0,5,9": explicit indices (negative ones count from the end).
@@ -115,6 +119,8 @@ def parse_row_spec(
         raise ValueError(f"head_dim {head_dim} does not divide out_features {out_features}")
     block = head_dim if head_dim is not None else min(block_rows, out_features)
     n_blocks = out_features // block if head_dim is not None else None
+    if spec in ("start", "mid", "last") and single:
+        return ({"start": 0, "mid": out_features // 2, "last": out_features - 1}[spec],)
     if spec in ("start", "mid", "last"):
         if n_blocks is not None:  # whole heads
             head = {"start": 0, "mid": n_blocks // 2, "last": n_blocks - 1}[spec]
@@ -137,6 +143,25 @@ def parse_row_spec(
             raise ValueError(f"row {r} out of range for a weight with {out_features} rows")
         rows.append(r % out_features)
     return tuple(sorted(set(rows)))
+
+
+def resolve_layers(
+    layers: Sequence[int], n_layers: int, *, clamp: bool = False, notes: list[str] | None = None
+) -> list[int]:
+    """Non-negative layer indices, first occurrence order, duplicates dropped. Out of range: an error, or with
+    `clamp` the nearest layer (0 or n_layers - 1) and a line in `notes`."""
+    resolved: list[int] = []
+    for layer in layers:
+        if not -n_layers <= layer < n_layers:
+            if not clamp:
+                raise ValueError(f"layer {layer} out of range for a model with {n_layers} layers")
+            near = 0 if layer < 0 else n_layers - 1
+            if notes is not None:
+                notes.append(f"layer {layer} is past the model's {n_layers} layers: probing layer {near} instead")
+            layer = near
+        if layer % n_layers not in resolved:
+            resolved.append(layer % n_layers)
+    return resolved
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -175,20 +200,20 @@ def build_targets(
     seed: int = 0,
     whole_kv_heads: bool = True,
     block_rows: int = DEFAULT_BLOCK_ROWS,
+    row_mode: str = "block",
+    clamp_layers: bool = False,
+    notes: list[str] | None = None,
 ) -> list[ProbeTarget]:
-    """Targets for every (module, layer); `lm_head` once. Negative layers count from the end."""
+    """Targets for every (module, layer); `lm_head` once. Negative layers count from the end.
+
+    row_mode "row": start/mid/last are single rows; "block": blocks (whole KV heads with `whole_kv_heads`).
+    `clamp_layers`: an index past the depth probes the nearest layer, and a line saying so goes to `notes`."""
     if not modules:
         raise ValueError("modules must not be empty")
     if not row_specs:
         raise ValueError("row_specs must not be empty")
     decoder = _decoder_layers(model)
-    n_layers = len(decoder)
-    resolved: list[int] = []
-    for layer in layers:
-        if not -n_layers <= layer < n_layers:
-            raise ValueError(f"layer {layer} out of range for a model with {n_layers} layers")
-        if layer % n_layers not in resolved:
-            resolved.append(layer % n_layers)
+    resolved = resolve_layers(layers, len(decoder), clamp=clamp_layers, notes=notes)
     targets: list[ProbeTarget] = []
     seen: set[str] = set()
     for module in modules:
@@ -203,7 +228,8 @@ def build_targets(
             if target.name in seen:
                 continue
             seen.add(target.name)
-            head_dim = _head_dim(model) if (whole_kv_heads and module in KV_MODULES) else None
+            single = row_mode == "row"
+            head_dim = _head_dim(model) if (whole_kv_heads and module in KV_MODULES and not single) else None
             for spec in row_specs:
                 rows = parse_row_spec(
                     spec,
@@ -212,6 +238,7 @@ def build_targets(
                     block_rows=block_rows,
                     seed=seed,
                     salt=target.name,
+                    single=single,
                 )
                 target.row_sets.append(RowSet(spec=spec, rows=rows))
             targets.append(target)

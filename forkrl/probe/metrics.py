@@ -13,7 +13,13 @@ D = R * in) is the flattened form.
 - effective rank (Roy & Vetterli 2007): exp(entropy of sigma / sum sigma), tiny sigma dropped; also on the
   row-normalized V and at a common n (subsample, average over draws) since erank grows with n.
 
-Vectors with |v| <= 1e-12 * max |v| are dropped before any statistic, and counted.
+Vectors with a NaN/inf entry are dropped first and counted (`n_nonfinite`); vectors with
+|v| <= 1e-12 * max |v| are dropped before any statistic, and counted.
+
+Intervals (`bootstrap_ci`): a cluster bootstrap that resamples *trajectories* with replacement (positions of
+one trajectory are not independent), recomputes every scalar from the n x n Gram matrices, and reports the
+2.5% and 97.5% percentiles. Effective rank at a common n (`erank_at_n`) is computed by the job once every
+checkpoint is done, with one n per (target, row set) for the whole job.
 """
 
 from __future__ import annotations
@@ -25,7 +31,11 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "CI_METRICS",
     "DROP_REL",
+    "bootstrap_ci",
+    "erank_at_n",
+    "finite_vectors",
     "cell_metrics",
     "drop_tiny",
     "effective_rank",
@@ -40,6 +50,12 @@ __all__ = [
 
 DROP_REL = 1e-12
 EPS = torch.finfo(torch.float64).eps
+
+
+def finite_vectors(v3: Tensor) -> tuple[Tensor, int]:
+    """bool mask (n,) of the vectors without a NaN/inf entry, and how many have one."""
+    ok = torch.isfinite(v3.reshape(v3.shape[0], -1)).all(dim=1)
+    return ok, int((~ok).sum())
 
 
 def drop_tiny(v: Tensor, rel: float = DROP_REL) -> tuple[Tensor, Tensor]:
@@ -165,7 +181,11 @@ def grad_norm_stats(v3: Tensor) -> dict[str, float | None]:
 
     Per row, vectors at or below 1e-12 x that row's max are left out (log 0 would make the geomean 0).
     """
-    norms = v3.double().norm(dim=2)  # (n, R)
+    return _norm_stats(v3.double().norm(dim=2))
+
+
+def _norm_stats(norms: Tensor) -> dict[str, float | None]:
+    """grad_norm_stats from the (n, R) row norms."""
     keep = _row_keep(norms)
     rows = keep.any(dim=0)
     if norms.numel() == 0 or not bool(rows.any()):
@@ -250,10 +270,16 @@ def cell_metrics(
     seed: int = 0,
     n_common: int | None = None,
     erank_draws: int = 20,
+    keep_gram: bool = False,
 ) -> dict:
     """All §4.3 statistics of one cell for one target and row set. v3: (n, R, in); groups: trajectory ids.
 
-    Scalars are None where undefined (too few vectors, k not < n or not < a half's size)."""
+    Scalars are None where undefined (too few vectors, k not < n or not < a half's size). With `keep_gram`
+    the result also holds "_gram": (the kept vectors' Gram matrix, D), for `erank_at_n` later."""
+    ok, n_nonfinite = finite_vectors(v3)
+    if n_nonfinite:
+        v3 = v3[ok]
+        groups = [g for g, k in zip(groups, ok.tolist(), strict=True) if k]
     n_total = v3.shape[0]
     flat = v3.reshape(n_total, -1).double()
     v, keep = drop_tiny(flat)
@@ -264,6 +290,7 @@ def cell_metrics(
     g = v @ v.T  # the one big matmul
     out: dict = {
         "n": n,
+        "n_nonfinite": n_nonfinite,
         "n_dropped": n_total - n,
         "n_row_vectors_dropped": row_dropped,
         "n_trajectories": len(set(kept_groups)),
@@ -279,6 +306,8 @@ def cell_metrics(
         "effective_rank_common_n": None,
         "n_common": n_common,
     }
+    if keep_gram:
+        out["_gram"] = (g, d)
     if n == 0:
         return out
     if n >= 2:
@@ -301,16 +330,120 @@ def cell_metrics(
                 ef_ba = _ef_gram(g_ab, g_aa.trace(), _basis_coeffs(g_bb, k, d))
                 if ef_ab is not None and ef_ba is not None:
                     out["proj_energy_frac"][str(k)] = 0.5 * (ef_ab + ef_ba)
-    if n_common is not None and 1 <= n_common <= n:
-        if n_common == n:
-            out["effective_rank_common_n"] = out["effective_rank"]
-        else:
-            gen = torch.Generator().manual_seed(seed)
-            vals = []
-            for _ in range(erank_draws):
-                idx = torch.randperm(n, generator=gen)[:n_common]
-                e = _erank_gram(g[idx][:, idx], d)
-                if e is not None:
-                    vals.append(e)
-            out["effective_rank_common_n"] = sum(vals) / len(vals) if vals else None
+    if n_common is not None:
+        out["effective_rank_common_n"] = erank_at_n(g, d, n_common, draws=erank_draws, seed=seed)
+    return out
+
+
+def erank_at_n(g: Tensor, d: int, n_common: int, *, draws: int = 20, seed: int = 0) -> float | None:
+    """Effective rank of n_common of the n vectors whose Gram matrix is g (n x n, vectors of dimension d):
+    the mean over `draws` seeded subsets (exact when n_common == n); None when n_common is not in [1, n]."""
+    n = g.shape[0]
+    if not 1 <= n_common <= n:
+        return None
+    if n_common == n:
+        return _erank_gram(g, d)
+    gen = torch.Generator().manual_seed(seed)
+    vals = []
+    for _ in range(draws):
+        idx = torch.randperm(n, generator=gen)[:n_common]
+        e = _erank_gram(g[idx][:, idx], d)
+        if e is not None:
+            vals.append(e)
+    return sum(vals) / len(vals) if vals else None
+
+
+# the scalars that get a 95% interval ("proj_energy_frac.4" is proj_energy_frac["4"])
+CI_METRICS = (
+    "grad_norm.median", "grad_norm.geomean", "grad_norm_flat_median", "row_cosine", "row_cosine_flat",
+    "effective_rank", "effective_rank_normalized", "proj_energy_frac", "proj_energy_frac_insample",
+)  # fmt: skip
+
+
+class _CellGrams:
+    """Everything a cell's scalars need, from which any resample (an index vector, repeats allowed) is cheap:
+    the flat Gram (n x n), the per-row cosine Grams (R x n x n) and the row norms (n x R)."""
+
+    def __init__(self, v3: Tensor):
+        v3 = v3.double()
+        self.n, self.d = v3.shape[0], v3.shape[1] * v3.shape[2]
+        flat = v3.reshape(self.n, -1)
+        self.g = flat @ flat.T
+        self.norms = v3.norm(dim=2)  # (n, R)
+        self.row_keep = _row_keep(self.norms)
+        u = torch.where(
+            self.row_keep.unsqueeze(-1), v3 / self.norms.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(v3)
+        )
+        self.cos_rows = torch.einsum("kri,lri->rkl", u, u)  # (R, n, n)
+
+    def scalars(self, idx: Tensor, groups: Sequence[int], ks: Sequence[int], seed: int) -> dict[str, float | None]:
+        n = idx.numel()
+        g = self.g[idx][:, idx]
+        out: dict[str, float | None] = {}
+        ns = _norm_stats(self.norms[idx])
+        out["grad_norm.median"], out["grad_norm.geomean"] = ns["median"], ns["geomean"]
+        out["grad_norm_flat_median"] = g.diagonal().sqrt().quantile(0.5).item() if n else None
+        keep = self.row_keep[idx]  # (m, R)
+        n_r = keep.sum(0).double()
+        ok = n_r >= 2
+        tot = self.cos_rows[:, idx][:, :, idx].sum((1, 2))
+        c = (tot - n_r) / (n_r * (n_r - 1)).clamp_min(1)
+        out["row_cosine"] = c[ok].mean().item() if bool(ok.any()) else None
+        out["row_cosine_flat"] = _cosine_gram(g)
+        out["effective_rank"] = _erank_gram(g, self.d)
+        inv = g.diagonal().rsqrt()
+        out["effective_rank_normalized"] = _erank_gram(g * inv[:, None] * inv[None, :], self.d) if n else None
+        lam = torch.linalg.eigvalsh(g).flip(0).clamp_min(0) if n else g.new_zeros(0)
+        uniq = set(groups)
+        if len(uniq) >= 2:
+            in_a = _half_a(groups, seed)
+            a, b = in_a.nonzero().squeeze(-1), (~in_a).nonzero().squeeze(-1)
+            g_aa, g_bb, g_ab = g[a][:, a], g[b][:, b], g[a][:, b]
+        for k in ks:
+            out[f"proj_energy_frac_insample.{k}"] = (
+                (lam[:k].sum() / lam.sum()).item() if 0 < k < n and lam.sum() > 0 else None
+            )
+            out[f"proj_energy_frac.{k}"] = None
+            if len(uniq) >= 2 and k < n and k < a.numel() and k < b.numel():
+                ef_ab = _ef_gram(g_ab.T, g_bb.trace(), _basis_coeffs(g_aa, k, self.d))
+                ef_ba = _ef_gram(g_ab, g_aa.trace(), _basis_coeffs(g_bb, k, self.d))
+                if ef_ab is not None and ef_ba is not None:
+                    out[f"proj_energy_frac.{k}"] = 0.5 * (ef_ab + ef_ba)
+        return out
+
+
+def bootstrap_ci(
+    v3: Tensor, groups: Sequence[int], *, ks: Sequence[int] = (1, 4, 16), seed: int = 0, draws: int = 200
+) -> dict[str, list[float] | None]:
+    """Cluster-bootstrap 95% intervals [2.5%, 97.5%] of every scalar in CI_METRICS (with `.k` suffixes for the
+    energy fractions). Each draw resamples the cell's trajectories with replacement and takes all their
+    vectors; vectors with NaN/inf or |v| <= 1e-12 max |v| are dropped first, as in `cell_metrics`. A metric
+    gets None when fewer than half of the draws define it, or with fewer than 2 trajectories."""
+    ok, _ = finite_vectors(v3)
+    v3 = v3[ok].double()
+    groups = [int(g) for g, k in zip(groups, ok.tolist(), strict=True) if k]
+    _, keep = drop_tiny(v3.reshape(v3.shape[0], -1))
+    v3 = v3[keep]
+    groups = [g for g, k in zip(groups, keep.tolist(), strict=True) if k]
+    cg = _CellGrams(v3)
+    uniq = sorted(set(groups))
+    names = [m for m in CI_METRICS if not m.startswith("proj_")]
+    names += [f"{m}.{k}" for m in ("proj_energy_frac", "proj_energy_frac_insample") for k in ks]
+    out: dict[str, list[float] | None] = {m: None for m in names}
+    if len(uniq) < 2 or draws < 1:
+        return out
+    members = {t: [i for i, g in enumerate(groups) if g == t] for t in uniq}
+    gen = torch.Generator().manual_seed(seed)
+    vals: dict[str, list[float]] = {m: [] for m in names}
+    for _ in range(draws):
+        pick = torch.randint(0, len(uniq), (len(uniq),), generator=gen).tolist()
+        idx = [i for p in pick for i in members[uniq[p]]]
+        sample_groups = [groups[i] for i in idx]
+        for m, x in cg.scalars(torch.tensor(idx), sample_groups, ks, seed).items():
+            if x is not None and math.isfinite(x):
+                vals[m].append(x)
+    for m, xs in vals.items():
+        if len(xs) * 2 >= draws:
+            t = torch.tensor(xs, dtype=torch.float64)
+            out[m] = [t.quantile(0.025).item(), t.quantile(0.975).item()]
     return out

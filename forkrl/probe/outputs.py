@@ -2,11 +2,13 @@
 
     summary.json               per checkpoint: counts, accuracy, entropy, cells; `results`: one entry per
                                checkpoint x entropy bin x correctness x target x row set (§4.3 statistics)
-    token_probe_records.jsonl  one line per probed position: token, entropy, logp, bin, grad norm per row set
+    token_probe_records.jsonl  one line per probed token x parameter x row set (record_grain "row", the seed's)
+                               or per token (record_grain "token"): token, entropy, logp, bin, grad norm(s)
     manifest.json              the parameters, what they resolved to, weight hashes, versions, timings
     plot_<checkpoint>.png      median row-gradient norm by entropy bin, correct vs incorrect
 
-NaN/inf never reach a file: they are written as null, and the JSON is strict (`allow_nan=False`).
+NaN/inf never reach a file: they are written as null, and the JSON is strict (`allow_nan=False`); the job
+counts them first (summary["n_nonfinite"]: tokens, gradient vectors left out, values written as null).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = [
     "RECORDS",
     "SUMMARY",
     "clean",
+    "count_nonfinite",
     "plot_checkpoint",
     "plot_name",
     "versions",
@@ -50,6 +53,17 @@ def clean(x: Any) -> Any:
     if isinstance(x, Path):
         return str(x)
     return x
+
+
+def count_nonfinite(x: Any) -> int:
+    """How many NaN/inf floats `clean` would write as null."""
+    if isinstance(x, float):
+        return 0 if math.isfinite(x) else 1
+    if isinstance(x, dict):
+        return sum(count_nonfinite(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(count_nonfinite(v) for v in x)
+    return 0
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from forkrl.data.tasks import SPLITS
 
 __all__ = [
+    "CAVEAT",
+    "DATASET_MAX_NEW_TOKENS",
     "GRAD_METHODS",
     "MODULE_PATHS",
     "ROW_SPEC_PATTERN",
@@ -48,6 +50,8 @@ ModuleName = Literal[tuple(MODULE_PATHS)]  # type: ignore[valid-type]  # the key
 GradMethod = Literal["vmap", "replicate", "loop"]
 GRAD_METHODS: tuple[str, ...] = GradMethod.__args__
 WeightsDtype = Literal["float32", "float64", "bfloat16"]
+RowMode = Literal["row", "block"]
+RecordGrain = Literal["row", "token"]
 Split = Literal[SPLITS]  # type: ignore[valid-type]
 ROW_SPEC_PATTERN = r"^(start|mid|last|random:[1-9]\d*|-?\d+(,-?\d+)*)$"
 RowSpec = Annotated[
@@ -55,11 +59,27 @@ RowSpec = Annotated[
 ]
 
 
+DATASET_MAX_NEW_TOKENS = 2048  # the seed's: 512 cut most math answers off
+
+CAVEAT = (
+    "This probes per-token log-prob gradients under teacher forcing (d logp(token) / d W rows for sampled "
+    "responses); it is not the token's exact contribution to the trainer's aggregated DAPO/GRPO objective, "
+    "which also weighs each token by its advantage, clip mask and loss normalization and sums over the batch."
+)
+
+
+def _alias(*names: str) -> AliasChoices:
+    """The field's own name first (the documented one), then the names it is also accepted under."""
+    return AliasChoices(*names)
+
+
 class ProbeParams(BaseModel):
-    """One probe job: which checkpoints, how to sample, what to differentiate. Defaults: algorithms.md §4."""
+    """One probe job: which checkpoints, how to sample, what to differentiate. Defaults: the seed script's
+    (num_prompts 24, num_samples 2, 5 entropy bins, 12 positions per cell, rows start,mid,last, max_new_tokens
+    2048 for a dataset); field names are the seed's flags, the older names are accepted as aliases."""
 
     # list defaults are plain values (pydantic copies them per instance), so /docs and --help show them
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
 
     # ---- what to probe
     checkpoint_root: str | None = None
@@ -82,24 +102,28 @@ class ProbeParams(BaseModel):
     """Which split the prompts come from."""
     reward: str = ""
     """exact_match or math_verify; empty = the task's default (as in training)."""
-    num_prompts: int = Field(default=16, ge=1, le=4096)
+    num_prompts: int = Field(default=24, ge=1, le=4096)
     """Prompts sampled per checkpoint."""
-    group_size: int = Field(default=8, ge=1, le=512)
-    """Responses per prompt (G)."""
+    num_samples: int = Field(default=2, ge=1, le=512, validation_alias=_alias("num_samples", "group_size"))
+    """Responses per prompt (G); also accepted as group_size."""
     temperature: float = Field(default=1.0, gt=0, le=10)
     """Sampling temperature; also the T of logp and entropy."""
     max_new_tokens: int = Field(default=0, ge=0, le=32768)
-    """Max response tokens; 0 = the task's (1024 for a dataset)."""
+    """Max response tokens; 0 = the built-in task's limit, 2048 for a dataset (the seed's)."""
     seed: int = Field(default=0, ge=0, le=2**62)
     """Seed of sampling, tie-breaks, selection, rows."""
 
     # ---- bins and positions
     entropy_bins: int = Field(default=5, ge=1, le=100)
     """Entropy bins, by rank of (H, seeded tie-break)."""
-    max_positions_per_group: int = Field(default=64, ge=1, le=100_000)
+    max_positions_per_group: int = Field(default=12, ge=1, le=100_000)
     """Positions drawn per (entropy bin x correct/incorrect) cell."""
-    max_positions_per_trajectory: int = Field(default=4, ge=1, le=10_000)
-    """Positions one trajectory may give to one cell."""
+    max_positions_per_trajectory: int = Field(default=0, ge=0, le=10_000)
+    """Positions one trajectory may give to one cell; 0 = no cap (the seed's)."""
+    freeze_bins_from: str = ""
+    """Entropy bin edges of every checkpoint are those of this reference checkpoint (its step number or label;
+    empty = the first checkpoint probed), so a bin means the same entropy range across checkpoints; 'none' =
+    rank bins per checkpoint (equal counts, edges move)."""
     exclude_degenerate_groups: bool = False
     """Leave out prompts whose responses are all correct or all wrong (advantage 0)."""
     entropy_at_t1: bool = False
@@ -108,20 +132,37 @@ class ProbeParams(BaseModel):
     # ---- gradient targets and statistics
     modules: list[ModuleName] = Field(default=["k_proj", "down_proj"], min_length=1, max_length=8)
     """Linear weights to differentiate (lm_head is probed once, not per layer)."""
-    layers: list[Annotated[int, Field(ge=-1024, le=1023)]] = Field(
-        default=[0, -1], min_length=1, max_length=256
+    layer_indices: list[Annotated[int, Field(ge=-1024, le=1023)]] = Field(
+        default=[0, -1], min_length=1, max_length=256, validation_alias=_alias("layer_indices", "layers")
     )
-    """Decoder layers; negative counts from the end."""
-    row_specs: list[RowSpec] = Field(default=["random:32"], min_length=1, max_length=8)
-    """Row sets of each weight: start, mid, last, random:N (seeded) or '0,5,9'."""
+    """Decoder layers; negative counts from the end (also accepted as layers). The seed used 0,14,27 (first,
+    middle, last of a 28-layer model)."""
+    clamp_layers: bool = True
+    """A layer index past the model's depth probes its nearest layer (so 0,14,27 runs on any model; the job
+    warns in summary.json); off = such an index is an error."""
+    row_spec: list[RowSpec] = Field(
+        default=["start", "mid", "last"], min_length=1, max_length=8, validation_alias=_alias("row_spec", "row_specs")
+    )
+    """Rows of each weight: start, mid, last, random:N (seeded) or '0,5,9' (also accepted as row_specs)."""
+    row_mode: RowMode = "row"
+    """start/mid/last are single rows (row: the seed's grain) or blocks (block: 32 rows, or one whole KV head
+    of k_proj/v_proj with whole_kv_heads)."""
     whole_kv_heads: bool = True
-    """k_proj/v_proj row sets are whole KV heads (head_dim consecutive rows)."""
+    """In block mode, k_proj/v_proj row sets are whole KV heads (head_dim consecutive rows)."""
     proj_k: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
         default=[1, 4, 16], min_length=1, max_length=16
     )
     """k of the cross-fitted projection energy fraction (reported only where k < n)."""
     erank_draws: int = Field(default=20, ge=1, le=1000)
-    """Subsamples for effective rank at a common n."""
+    """Subsamples for effective rank at a common n (one n for all checkpoints of the job)."""
+    bootstrap: int = Field(default=200, ge=0, le=10_000)
+    """Cluster-bootstrap resamples (trajectories drawn with replacement) for the 95% intervals of the summary
+    metrics; 0 = no intervals."""
+
+    # ---- outputs
+    record_grain: RecordGrain = "row"
+    """token_probe_records.jsonl: one line per token x parameter x row (row: the seed's) or per token with
+    every grad norm in it (token)."""
 
     # ---- how it is computed
     grad_chunk_size: int = Field(default=16, ge=1, le=256)
@@ -133,6 +174,11 @@ class ProbeParams(BaseModel):
     """Sequences per sampling/entropy batch."""
     dtype: WeightsDtype = "float32"
     """Model weights dtype; gradient statistics are always fp32/fp64."""
+
+    @field_validator("freeze_bins_from", mode="before")
+    @classmethod
+    def _step_as_text(cls, v: object) -> object:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _something_to_probe(self) -> ProbeParams:

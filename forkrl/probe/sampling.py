@@ -34,6 +34,8 @@ from forkrl.seeds import seeded_generator
 __all__ = [
     "TokenStats",
     "Trajectory",
+    "bin_edges",
+    "edge_bins",
     "grade",
     "pad_right",
     "rank_bins",
@@ -42,6 +44,7 @@ __all__ = [
     "seeded_generator",
     "select_positions",
     "token_stats",
+    "top_frac_mask",
 ]
 
 
@@ -105,7 +108,8 @@ def grade(trajs: Sequence[Trajectory], tokenizer, problems: Sequence, reward: st
     """Decode each response (EOS and other special tokens dropped) and score it in place.
 
     correct = reward > 0, which fits both the 1/0 and the +1/-1 conventions; a None reward (ungradable gold
-    answer) counts as not correct.
+    answer) leaves reward None and correct False, and the probe leaves such a sample out of the cells (and
+    counts it) rather than calling it incorrect.
     """
     for t in trajs:
         t.text = tokenizer.decode(t.response_ids, skip_special_tokens=True)
@@ -218,6 +222,30 @@ def rank_bins(entropy: Tensor, n_bins: int, gen: torch.Generator) -> Tensor:
     return (rank * n_bins) // max(n, 1)
 
 
+def bin_edges(entropy: Tensor, bins: Tensor, n_bins: int) -> list[float]:
+    """The K - 1 lower edges of bins 1..K-1 (the smallest entropy in each), from a reference checkpoint's
+    rank bins; an empty bin gets +inf (nothing reaches it)."""
+    return [float(entropy[bins == b].min()) if bool((bins == b).any()) else float("inf") for b in range(1, n_bins)]
+
+
+def edge_bins(entropy: Tensor, edges: Sequence[float]) -> Tensor:
+    """bin = how many edges are <= H: the reference checkpoint's entropy ranges applied to another one.
+    (Tokens tied at an edge value, which rank binning may split, all go to the upper bin.)"""
+    e = torch.tensor(list(edges), dtype=entropy.dtype)
+    return torch.searchsorted(e, entropy.contiguous(), right=True)
+
+
+def top_frac_mask(entropy: Tensor, frac: float = 0.2) -> Tensor:
+    """bool mask of the ceil(frac * N) highest-entropy tokens (ties broken by position, stable)."""
+    n = entropy.numel()
+    k = min(n, max(1, int(-(-frac * n // 1)))) if n else 0
+    mask = torch.zeros(n, dtype=torch.bool)
+    if k:
+        order = torch.sort(-entropy, stable=True).indices
+        mask[order[:k]] = True
+    return mask
+
+
 def select_positions(
     bins: Tensor,
     traj_of: Tensor,
@@ -233,7 +261,7 @@ def select_positions(
     """Token indices per (bin, correct) cell, and the number of eligible tokens per cell.
 
     A seeded shuffle of the cell's eligible tokens, taking each unless its trajectory already gave
-    `per_traj` tokens to this cell, until `per_cell`."""
+    `per_traj` tokens to this cell (0 = no such cap), until `per_cell`."""
     chosen: dict[tuple[int, bool], list[int]] = {}
     available: dict[tuple[int, bool], int] = {}
     for b in range(n_bins):
@@ -245,7 +273,7 @@ def select_positions(
             per: dict[int, int] = {}
             for i in cand:
                 tr = int(traj_of[i])
-                if per.get(tr, 0) >= per_traj:
+                if per_traj and per.get(tr, 0) >= per_traj:
                     continue
                 per[tr] = per.get(tr, 0) + 1
                 taken.append(i)

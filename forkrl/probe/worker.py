@@ -17,11 +17,13 @@ import torch
 from forkrl.files import sha256_file
 from forkrl.probe.checkpoints import CheckpointRef, eos_and_pad, load_checkpoint, weight_files
 from forkrl.probe.gradients import ProbeTarget, build_targets, exact_row_grads
-from forkrl.probe.metrics import cell_metrics, drop_tiny
+from forkrl.probe.metrics import bootstrap_ci, cell_metrics
 from forkrl.probe.outputs import plot_checkpoint, plot_name
 from forkrl.probe.params import ProbeParams
 from forkrl.probe.sampling import (
     Trajectory,
+    bin_edges,
+    edge_bins,
     grade,
     pad_right,
     rank_bins,
@@ -69,11 +71,18 @@ class CheckpointResult:
     records: list[dict]  # token_probe_records.jsonl lines
     manifest: dict  # manifest["checkpoints"] entry
     methods: set[str] = field(default_factory=set)  # gradient methods that actually ran
+    grams: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # per result: its (kept) Gram, D
+    edges: list[float] = field(default_factory=list)  # the bin edges used (the reference's, or its own)
+    trajectories: list[Trajectory] = field(default_factory=list)
+    overlap_entropy: torch.Tensor | None = None  # entropy of the overlap responses under this checkpoint
+    notes: list[str] = field(default_factory=list)  # warnings for summary.json
 
 
 class CheckpointProbe:
     """Everything done for checkpoint number `index` of a job. `problems` are the job's prompts, `reward` the
-    resolved reward name, `tokenizer_fallback` the base model dir (for checkpoints saved without tokenizer)."""
+    resolved reward name, `tokenizer_fallback` the base model dir (for checkpoints saved without tokenizer).
+    `edges`: frozen bin edges of a reference checkpoint (None: rank bins of its own, whose edges it returns);
+    `overlap_trajs`: the reference's responses, teacher-forced here for the entropy-pattern overlap."""
 
     def __init__(
         self,
@@ -87,7 +96,11 @@ class CheckpointProbe:
         tokenizer_fallback: Path | None,
         device: torch.device,
         progress: Progress,
+        edges: list[float] | None = None,
+        overlap_trajs: list[Trajectory] | None = None,
     ):
+        self.edges, self.overlap_trajs = edges, overlap_trajs
+        self.notes: list[str] = []
         self.index, self.ref, self.p, self.problems = index, ref, params, problems
         self.max_new, self.reward, self.tokenizer_fallback = max_new_tokens, reward, tokenizer_fallback
         self.device, self.prog = device, progress
@@ -108,7 +121,7 @@ class CheckpointProbe:
 
         t0 = time.perf_counter()
         trajs = sample_trajectories(
-            model, [tok(q.prompt)["input_ids"] for q in self.problems], group_size=p.group_size,
+            model, [tok(q.prompt)["input_ids"] for q in self.problems], group_size=p.num_samples,
             temperature=p.temperature, max_new_tokens=self.max_new, seed=p.seed, eos_ids=eos, pad_id=pad,
             batch_size=p.sample_batch_size, check=prog.check,
         )  # fmt: skip
@@ -119,12 +132,24 @@ class CheckpointProbe:
         t0 = time.perf_counter()
         stats = token_stats(model, trajs, temperature=p.temperature, also_t1=p.entropy_at_t1,
                             batch_size=p.sample_batch_size, pad_id=pad, check=prog.check)  # fmt: skip
+        overlap = torch.cat([s.entropy for s in stats]) if stats else torch.zeros(0, dtype=torch.float64)
+        if self.overlap_trajs is not None:
+            ostats = token_stats(model, self.overlap_trajs, temperature=p.temperature,
+                                 batch_size=p.sample_batch_size, pad_id=pad, check=prog.check)  # fmt: skip
+            overlap = torch.cat([s.entropy for s in ostats]) if ostats else torch.zeros(0, dtype=torch.float64)
         self._timed("entropy", t0)
         prog.advance(1, f"{ref.label}: entropy pass")
 
         tab = _TokenTable(trajs, stats)
-        eligible = ~tab.degenerate_of if p.exclude_degenerate_groups else torch.ones_like(tab.correct_of)
-        bins = rank_bins(tab.entropy, p.entropy_bins, seeded_generator(p.seed, "bins", ref.label))
+        # ungradable samples (reward None) and tokens whose entropy/logp is NaN/inf never enter a cell
+        eligible = tab.gradable_of & tab.finite
+        if p.exclude_degenerate_groups:
+            eligible &= ~tab.degenerate_of
+        if self.edges is None:
+            bins = rank_bins(tab.entropy, p.entropy_bins, seeded_generator(p.seed, "bins", ref.label))
+            self.edges = bin_edges(tab.entropy, bins, p.entropy_bins)
+        else:
+            bins = edge_bins(tab.entropy, self.edges)
         chosen, available = select_positions(
             bins, tab.traj_of, tab.correct_of, eligible, n_bins=p.entropy_bins, per_cell=p.max_positions_per_group,
             per_traj=p.max_positions_per_trajectory, seed=p.seed, salt=ref.label,
@@ -133,12 +158,14 @@ class CheckpointProbe:
         prog.plan(self.index, len(selected))
 
         t0 = time.perf_counter()
-        targets = build_targets(model, p.modules, p.layers, p.row_specs, seed=p.seed, whole_kv_heads=p.whole_kv_heads)
+        targets = build_targets(model, p.modules, p.layer_indices, p.row_spec, seed=p.seed,
+                                whole_kv_heads=p.whole_kv_heads, row_mode=p.row_mode, clamp_layers=p.clamp_layers,
+                                notes=self.notes)  # fmt: skip
         grads, logp_grad = self._gradients(model, trajs, tab, selected, targets, pad)
         self._timed("gradients", t0)
 
         t0 = time.perf_counter()
-        cres = self._cell_results(tab, selected, targets, grads)
+        cres, grams = self._cell_results(tab, selected, targets, grads)
         self._timed("metrics", t0)
 
         recs = self._records(tok, trajs, tab, selected, targets, grads, eos)
@@ -156,7 +183,7 @@ class CheckpointProbe:
             "max_abs_logp_gap_entropy_vs_grad_pass": logp_gap,
             "timings_s": self.timings,
         }
-        return CheckpointResult(info, cres, recs, man, self.methods)
+        return CheckpointResult(info, cres, recs, man, self.methods, grams, self.edges, trajs, overlap, self.notes)
 
     def _gradients(self, model, trajs, tab, selected, targets: list[ProbeTarget], pad: int):
         """Row gradients of every selected position; trajectories go in right-padded batches of about
@@ -193,37 +220,42 @@ class CheckpointProbe:
             self.prog.advance(len(js), f"{self.ref.label}: gradients")
         return grads, logp_grad
 
-    def _cell_results(self, tab, selected, targets: list[ProbeTarget], grads) -> list[dict]:
-        """§4.3 statistics per cell x target x row set; erank also at the smallest n among this checkpoint's
-        cells (erank grows with n, so cells are compared at a common n)."""
+    def _cell_results(self, tab, selected, targets: list[ProbeTarget], grads) -> tuple[list[dict], list]:
+        """§4.3 statistics per cell x target x row set, with cluster-bootstrap 95% intervals (`ci95`). Each
+        result's Gram matrix comes back too: the job computes effective rank at one n for all checkpoints."""
         p = self.p
         cell_rows: dict[tuple[int, bool], list[int]] = {}
         for j, (cell, _) in enumerate(selected):
             cell_rows.setdefault(cell, []).append(j)
         cells = sorted(cell_rows.items(), key=lambda kv: (kv[0][0], not kv[0][1]))
         out: list[dict] = []
+        grams: list = []
         for t in targets:
             if not selected:
                 break
             stacked = torch.stack(grads[t.name])
             for rs in t.row_sets:
                 ridx = t.row_index(rs)
-                blocks = {cell: stacked[js][:, ridx].double() for cell, js in cells}
-                kept = [drop_tiny(b.reshape(b.shape[0], -1))[0].shape[0] for b in blocks.values()]
-                n_common = min((n for n in kept if n >= 2), default=None)
                 for cell, js in cells:
-                    m = cell_metrics(blocks[cell], [int(tab.traj_of[selected[j][1]]) for j in js], ks=p.proj_k,
-                                     seed=p.seed, n_common=n_common, erank_draws=p.erank_draws)  # fmt: skip
+                    block = stacked[js][:, ridx].double()
+                    trajs = [int(tab.traj_of[selected[j][1]]) for j in js]
+                    m = cell_metrics(block, trajs, ks=p.proj_k, seed=p.seed, n_common=None,
+                                     erank_draws=p.erank_draws, keep_gram=True)  # fmt: skip
+                    grams.append(m.pop("_gram"))
+                    ci = bootstrap_ci(block, trajs, ks=p.proj_k, seed=p.seed, draws=p.bootstrap) if p.bootstrap else {}
                     out.append({
                         "checkpoint": self.ref.label, "bin": cell[0], "correct": cell[1], "target": t.name,
-                        "module": t.module, "layer": t.layer, "row_set": rs.spec, "n_rows": len(rs.rows),
-                        "n_selected": len(js), **m,
+                        "parameter": t.name, "module": t.module, "layer": t.layer, "row_set": rs.spec,
+                        "row": rs.spec, "rows": list(rs.rows), "n_rows": len(rs.rows), "n_selected": len(js),
+                        **m, "ci95": ci,
                     })  # fmt: skip
             self.prog.check()
-        return out
+        return out, grams
 
     def _records(self, tok, trajs, tab, selected, targets: list[ProbeTarget], grads, eos) -> list[dict]:
-        row_idx = {t.name: {rs.spec: t.row_index(rs) for rs in t.row_sets} for t in targets}
+        """record_grain "row": one record per token x parameter x row set (the seed's grain); "token": one per
+        token with every grad norm in `grad_norms` ('<parameter>|<row spec>')."""
+        row_idx = {t.name: {rs.spec: (rs, t.row_index(rs)) for rs in t.row_sets} for t in targets}
         recs = []
         for j, ((b, c), i) in enumerate(selected):
             tr = trajs[int(tab.traj_of[i])]
@@ -238,12 +270,20 @@ class CheckpointProbe:
             }  # fmt: skip
             if tab.entropy_t1 is not None:
                 rec["entropy_t1"] = float(tab.entropy_t1[i])
-            rec["grad_norms"] = {
-                f"{t.name}|{spec}": float(grads[t.name][j][ri].double().norm())
+            norms = {
+                (t.name, spec): float(grads[t.name][j][ri].double().norm())
                 for t in targets
-                for spec, ri in row_idx[t.name].items()
+                for spec, (_, ri) in row_idx[t.name].items()
             }
-            recs.append(rec)
+            if self.p.record_grain == "token":
+                recs.append({**rec, "grad_norms": {f"{n}|{spec}": v for (n, spec), v in norms.items()}})
+                continue
+            for t in targets:
+                for spec, (rs, _) in row_idx[t.name].items():
+                    recs.append({
+                        **rec, "parameter": t.name, "module": t.module, "layer": t.layer, "row": spec,
+                        "rows": list(rs.rows), "grad_norm": norms[(t.name, spec)],
+                    })  # fmt: skip
         return recs
 
     def _info(self, trajs, tab, bins, chosen, available, selected) -> dict:
@@ -255,12 +295,20 @@ class CheckpointProbe:
             "step": self.ref.step,
             "n_trajectories": len(trajs),
             "n_prompts": len(self.problems),
-            "accuracy": sum(t.correct for t in trajs) / nt,
+            # ungradable samples (reward None) are excluded from cells and from accuracy, and counted here
+            "n_ungradable": sum(t.reward is None for t in trajs),
+            "accuracy": (
+                sum(t.correct for t in trajs if t.reward is not None) / n_grad
+                if (n_grad := sum(t.reward is not None for t in trajs)) else None
+            ),
             "finished_frac": sum(t.finished for t in trajs) / nt,
             "mean_response_tokens": n_tok / nt,
             "n_response_tokens": n_tok,
             "mean_entropy": float(tab.entropy.mean()) if n_tok else None,
             "frac_entropy_below_1e-2": float((tab.entropy < 1e-2).double().mean()) if n_tok else None,
+            "n_nonfinite_tokens": int((~tab.finite).sum()),
+            "bin_edges": self.edges,
+            "bin_counts": [int((bins == b).sum()) for b in range(k)],
             "bin_upper_entropy": [
                 float(tab.entropy[bins == b].max()) if bool((bins == b).any()) else None for b in range(k)
             ],  # fmt: skip
@@ -290,12 +338,15 @@ class _TokenTable:
         self.logp = torch.cat([s.logp for s in stats])
         t1 = [s.entropy_t1 for s in stats]
         self.entropy_t1 = torch.cat(t1) if t1 and t1[0] is not None else None
+        self.finite = torch.isfinite(self.entropy) & torch.isfinite(self.logp)
         groups: dict[int, list[bool]] = {}
         for t in trajs:
-            groups.setdefault(t.prompt_index, []).append(t.correct)
+            if t.reward is not None:  # the advantage of a group is over its gradable samples
+                groups.setdefault(t.prompt_index, []).append(t.correct)
         # advantage is 0 in all-correct and all-wrong groups (§4.1)
         degenerate = {q: all(v) or not any(v) for q, v in groups.items()}
         self.n_degenerate_groups = sum(degenerate.values())
-        self.degenerate_t = torch.tensor([degenerate[t.prompt_index] for t in trajs])
+        self.degenerate_t = torch.tensor([degenerate.get(t.prompt_index, True) for t in trajs], dtype=torch.bool)
+        self.gradable_of = torch.tensor([t.reward is not None for t in trajs], dtype=torch.bool)[self.traj_of]
         self.correct_of = torch.tensor([t.correct for t in trajs])[self.traj_of]
         self.degenerate_of = self.degenerate_t[self.traj_of]

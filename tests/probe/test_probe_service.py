@@ -44,6 +44,9 @@ SMALL_JOB = {
     "proj_k": [1, 2],
     "erank_draws": 3,
     "seed": 7,
+    "record_grain": "token",  # one record per token with all 10 grad norms (row grain: test_probe_cli.py)
+    "row_mode": "block",
+    "bootstrap": 20,
 }
 
 
@@ -173,6 +176,10 @@ def test_job_end_to_end_and_wait(env):
     ):
         assert (out / name).is_file(), name
     assert _strict((out / "summary.json").read_text()) == summary
+    assert "teacher forcing" in summary["caveat"] and summary["bins"]["frozen_from"] == "step_000001"
+    assert summary["checkpoints"][1]["bin_edges"] == summary["checkpoints"][0]["bin_edges"]  # frozen
+    overlap = summary["entropy_pattern_overlap"]["overlap"]
+    assert overlap["step_000001"] == 1.0 and 0.0 <= overlap["step_000002"] <= 1.0
     records = [_strict(line) for line in (out / "token_probe_records.jsonl").read_text().splitlines()]
 
     # counts: records == selected positions == per-cell counts == per-result counts
@@ -253,7 +260,10 @@ def test_openapi_documents_every_request_field(env):
         "max_positions_per_group",
     } <= set(schema)
     assert all(p.get("description") for p in schema.values())
-    assert schema["num_prompts"]["minimum"] == 1 and schema["num_prompts"]["default"] == 16
+    assert schema["num_prompts"]["minimum"] == 1 and schema["num_prompts"]["default"] == 24
+    # the seed's names are the documented ones; the older names are accepted (SMALL_JOB uses them)
+    assert {"num_samples", "layer_indices", "row_spec", "row_mode", "record_grain", "freeze_bins_from"} <= set(schema)
+    assert "caveat" in env["client"].get("/openapi.json").json()["info"]["description"].lower()
 
 
 def test_missing_steps_404_lists_existing(env):
@@ -304,7 +314,7 @@ def test_semantic_errors_400(env):
     assert r.status_code == 400 and "not allowed" in r.json()["detail"]
     r = env["client"].post("/probe", json={"checkpoints": [str(env["allowed"] / "pickled")]})
     assert r.status_code == 400 and "safetensors" in r.json()["detail"]
-    r = env["client"].post("/probe", json={**base, "layers": [0, 7]})
+    r = env["client"].post("/probe", json={**base, "layers": [0, 7], "clamp_layers": False})
     assert r.status_code == 400 and "[7]" in r.json()["detail"]
     r = env["client"].post("/probe", json={"steps": [1]})  # steps without a root: schema-level
     assert r.status_code == 422

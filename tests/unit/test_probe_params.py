@@ -44,11 +44,22 @@ def test_openapi_documents_every_field_and_its_default(openapi):
     assert props["num_prompts"]["minimum"] == 1 and props["temperature"]["exclusiveMinimum"] == 0
 
 
-def test_defaults_follow_algorithms_md():
+def test_defaults_are_the_seeds():
     p = ProbeParams(**ROOT)
-    assert (p.entropy_bins, p.max_positions_per_group, p.max_positions_per_trajectory) == (5, 64, 4)
-    assert (p.proj_k, p.modules, p.row_specs, p.layers) == ([1, 4, 16], ["k_proj", "down_proj"], ["random:32"], [0, -1])
-    assert (p.temperature, p.group_size, p.num_prompts) == (1.0, 8, 16)
+    assert (p.entropy_bins, p.max_positions_per_group, p.max_positions_per_trajectory) == (5, 12, 0)
+    assert (p.proj_k, p.modules, p.row_spec, p.layer_indices) == (
+        [1, 4, 16], ["k_proj", "down_proj"], ["start", "mid", "last"], [0, -1]
+    )
+    assert (p.temperature, p.num_samples, p.num_prompts, p.row_mode, p.record_grain) == (1.0, 2, 24, "row", "row")
+    assert (p.freeze_bins_from, p.bootstrap, p.max_new_tokens) == ("", 200, 0)
+
+
+def test_seed_names_and_old_names_are_one_field():
+    seed = ProbeParams(**ROOT, num_samples=4, layer_indices=[0, 14, 27], row_spec=["start"])
+    old = ProbeParams(**ROOT, group_size=4, layers=[0, 14, 27], row_specs=["start"])
+    assert seed == old and seed.model_dump() == old.model_dump()
+    assert "group_size" not in seed.model_dump() and seed.model_dump()["num_samples"] == 4
+    assert ProbeParams(**ROOT, freeze_bins_from=20).freeze_bins_from == "20"  # a step as a JSON number
 
 
 @pytest.mark.parametrize(
@@ -58,7 +69,7 @@ def test_defaults_follow_algorithms_md():
         ("group_size", 513),
         ("temperature", 0.0),
         ("entropy_bins", 0),
-        ("max_positions_per_trajectory", 0),
+        ("max_positions_per_trajectory", -1),
         ("grad_chunk_size", 257),
         ("sample_batch_size", 0),
         ("erank_draws", 0),
