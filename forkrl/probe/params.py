@@ -115,7 +115,8 @@ class ProbeParams(BaseModel):
 
     # ---- bins and positions
     entropy_bins: int = Field(default=5, ge=1, le=100)
-    """Entropy bins, by rank of (H, seeded tie-break)."""
+    """Entropy bins: equal-count bins by rank of (H, seeded tie-break) on the reference checkpoint, whose edges
+    the other checkpoints use (see freeze_bins_from)."""
     max_positions_per_group: int = Field(default=12, ge=1, le=100_000)
     """Positions drawn per (entropy bin x correct/incorrect) cell."""
     max_positions_per_trajectory: int = Field(default=0, ge=0, le=10_000)
