@@ -16,10 +16,9 @@ D = R * in) is the flattened form.
 Vectors with a NaN/inf entry are dropped first and counted (`n_nonfinite`); vectors with
 |v| <= 1e-12 * max |v| are dropped before any statistic, and counted.
 
-Intervals (`bootstrap_ci`): a cluster bootstrap that resamples *trajectories* with replacement (positions of
-one trajectory are not independent), recomputes every scalar from the n x n Gram matrices, and reports the
-2.5% and 97.5% percentiles. Effective rank at a common n (`erank_at_n`) is computed by the job once every
-checkpoint is done, with one n per (target, row set) for the whole job.
+Intervals: `forkrl.probe.bootstrap` (cluster bootstrap over trajectories). Effective rank at a common n
+(`erank_at_n`) is computed by the job once every checkpoint is done, with one n per (target, row set) for the
+whole job.
 """
 
 from __future__ import annotations
@@ -31,9 +30,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "CI_METRICS",
     "DROP_REL",
-    "bootstrap_ci",
     "erank_at_n",
     "finite_vectors",
     "cell_metrics",
@@ -224,11 +221,13 @@ def _eig_desc(g: Tensor) -> tuple[Tensor, Tensor]:
     return lam.flip(0).clamp_min(0), q.flip(1)
 
 
-def _erank_gram(g: Tensor, d: int) -> float | None:
-    """erank from Gram eigenvalues; lambda below lambda_1 * max(n, D) * eps is noise (see singular_values)."""
+def _erank_gram(g: Tensor, d: int, lam: Tensor | None = None) -> float | None:
+    """erank from Gram eigenvalues; lambda below lambda_1 * max(n, D) * eps is noise (see singular_values).
+    `lam`: g's eigenvalues, descending and clamped at 0, when already at hand."""
     if g.shape[0] == 0:
         return None
-    lam = torch.linalg.eigvalsh(g).flip(0).clamp_min(0)
+    if lam is None:
+        lam = torch.linalg.eigvalsh(g).flip(0).clamp_min(0)
     if lam[0] <= 0:
         return None
     s = lam[lam > lam[0] * max(g.shape[0], d) * EPS].sqrt()
@@ -247,9 +246,10 @@ def _cosine_gram(g: Tensor, signs: Tensor | None = None) -> float | None:
     return ((c.sum() - n) / (n * (n - 1))).item()
 
 
-def _basis_coeffs(g_aa: Tensor, k: int, d: int) -> Tensor:
-    """Coefficients C (n_A x k') with U_A = V_A^T C: top right singular vectors of V_A from its Gram."""
-    lam, q = _eig_desc(g_aa)
+def _basis_coeffs(g_aa: Tensor, k: int, d: int, eig: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Coefficients C (n_A x k') with U_A = V_A^T C: top right singular vectors of V_A from its Gram
+    (`eig`: its `_eig_desc`, when already at hand)."""
+    lam, q = eig if eig is not None else _eig_desc(g_aa)
     good = int((lam > lam[0] * max(g_aa.shape[0], d) * EPS).sum()) if lam.numel() and lam[0] > 0 else 0
     kk = min(k, good)
     return q[:, :kk] / lam[:kk].sqrt()
@@ -351,99 +351,3 @@ def erank_at_n(g: Tensor, d: int, n_common: int, *, draws: int = 20, seed: int =
         if e is not None:
             vals.append(e)
     return sum(vals) / len(vals) if vals else None
-
-
-# the scalars that get a 95% interval ("proj_energy_frac.4" is proj_energy_frac["4"])
-CI_METRICS = (
-    "grad_norm.median", "grad_norm.geomean", "grad_norm_flat_median", "row_cosine", "row_cosine_flat",
-    "effective_rank", "effective_rank_normalized", "proj_energy_frac", "proj_energy_frac_insample",
-)  # fmt: skip
-
-
-class _CellGrams:
-    """Everything a cell's scalars need, from which any resample (an index vector, repeats allowed) is cheap:
-    the flat Gram (n x n), the per-row cosine Grams (R x n x n) and the row norms (n x R)."""
-
-    def __init__(self, v3: Tensor):
-        v3 = v3.double()
-        self.n, self.d = v3.shape[0], v3.shape[1] * v3.shape[2]
-        flat = v3.reshape(self.n, -1)
-        self.g = flat @ flat.T
-        self.norms = v3.norm(dim=2)  # (n, R)
-        self.row_keep = _row_keep(self.norms)
-        u = torch.where(
-            self.row_keep.unsqueeze(-1), v3 / self.norms.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(v3)
-        )
-        self.cos_rows = torch.einsum("kri,lri->rkl", u, u)  # (R, n, n)
-
-    def scalars(self, idx: Tensor, groups: Sequence[int], ks: Sequence[int], seed: int) -> dict[str, float | None]:
-        n = idx.numel()
-        g = self.g[idx][:, idx]
-        out: dict[str, float | None] = {}
-        ns = _norm_stats(self.norms[idx])
-        out["grad_norm.median"], out["grad_norm.geomean"] = ns["median"], ns["geomean"]
-        out["grad_norm_flat_median"] = g.diagonal().sqrt().quantile(0.5).item() if n else None
-        keep = self.row_keep[idx]  # (m, R)
-        n_r = keep.sum(0).double()
-        ok = n_r >= 2
-        tot = self.cos_rows[:, idx][:, :, idx].sum((1, 2))
-        c = (tot - n_r) / (n_r * (n_r - 1)).clamp_min(1)
-        out["row_cosine"] = c[ok].mean().item() if bool(ok.any()) else None
-        out["row_cosine_flat"] = _cosine_gram(g)
-        out["effective_rank"] = _erank_gram(g, self.d)
-        inv = g.diagonal().rsqrt()
-        out["effective_rank_normalized"] = _erank_gram(g * inv[:, None] * inv[None, :], self.d) if n else None
-        lam = torch.linalg.eigvalsh(g).flip(0).clamp_min(0) if n else g.new_zeros(0)
-        uniq = set(groups)
-        if len(uniq) >= 2:
-            in_a = _half_a(groups, seed)
-            a, b = in_a.nonzero().squeeze(-1), (~in_a).nonzero().squeeze(-1)
-            g_aa, g_bb, g_ab = g[a][:, a], g[b][:, b], g[a][:, b]
-        for k in ks:
-            out[f"proj_energy_frac_insample.{k}"] = (
-                (lam[:k].sum() / lam.sum()).item() if 0 < k < n and lam.sum() > 0 else None
-            )
-            out[f"proj_energy_frac.{k}"] = None
-            if len(uniq) >= 2 and k < n and k < a.numel() and k < b.numel():
-                ef_ab = _ef_gram(g_ab.T, g_bb.trace(), _basis_coeffs(g_aa, k, self.d))
-                ef_ba = _ef_gram(g_ab, g_aa.trace(), _basis_coeffs(g_bb, k, self.d))
-                if ef_ab is not None and ef_ba is not None:
-                    out[f"proj_energy_frac.{k}"] = 0.5 * (ef_ab + ef_ba)
-        return out
-
-
-def bootstrap_ci(
-    v3: Tensor, groups: Sequence[int], *, ks: Sequence[int] = (1, 4, 16), seed: int = 0, draws: int = 200
-) -> dict[str, list[float] | None]:
-    """Cluster-bootstrap 95% intervals [2.5%, 97.5%] of every scalar in CI_METRICS (with `.k` suffixes for the
-    energy fractions). Each draw resamples the cell's trajectories with replacement and takes all their
-    vectors; vectors with NaN/inf or |v| <= 1e-12 max |v| are dropped first, as in `cell_metrics`. A metric
-    gets None when fewer than half of the draws define it, or with fewer than 2 trajectories."""
-    ok, _ = finite_vectors(v3)
-    v3 = v3[ok].double()
-    groups = [int(g) for g, k in zip(groups, ok.tolist(), strict=True) if k]
-    _, keep = drop_tiny(v3.reshape(v3.shape[0], -1))
-    v3 = v3[keep]
-    groups = [g for g, k in zip(groups, keep.tolist(), strict=True) if k]
-    cg = _CellGrams(v3)
-    uniq = sorted(set(groups))
-    names = [m for m in CI_METRICS if not m.startswith("proj_")]
-    names += [f"{m}.{k}" for m in ("proj_energy_frac", "proj_energy_frac_insample") for k in ks]
-    out: dict[str, list[float] | None] = {m: None for m in names}
-    if len(uniq) < 2 or draws < 1:
-        return out
-    members = {t: [i for i, g in enumerate(groups) if g == t] for t in uniq}
-    gen = torch.Generator().manual_seed(seed)
-    vals: dict[str, list[float]] = {m: [] for m in names}
-    for _ in range(draws):
-        pick = torch.randint(0, len(uniq), (len(uniq),), generator=gen).tolist()
-        idx = [i for p in pick for i in members[uniq[p]]]
-        sample_groups = [groups[i] for i in idx]
-        for m, x in cg.scalars(torch.tensor(idx), sample_groups, ks, seed).items():
-            if x is not None and math.isfinite(x):
-                vals[m].append(x)
-    for m, xs in vals.items():
-        if len(xs) * 2 >= draws:
-            t = torch.tensor(xs, dtype=torch.float64)
-            out[m] = [t.quantile(0.025).item(), t.quantile(0.975).item()]
-    return out

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from forkrl.files import sha256_file
+from forkrl.probe.bootstrap import bootstrap_ci
 from forkrl.probe.checkpoints import CheckpointRef, eos_and_pad, load_checkpoint, weight_files
 from forkrl.probe.gradients import ProbeTarget, build_targets, exact_row_grads
-from forkrl.probe.metrics import bootstrap_ci, cell_metrics
+from forkrl.probe.metrics import cell_metrics
 from forkrl.probe.outputs import plot_checkpoint, plot_name
 from forkrl.probe.params import ProbeParams
 from forkrl.probe.sampling import (

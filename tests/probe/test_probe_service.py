@@ -252,7 +252,7 @@ def test_openapi_documents_every_request_field(env):
         "checkpoints",
         "model",
         "num_prompts",
-        "group_size",
+        "num_samples",
         "temperature",
         "max_new_tokens",
         "seed",

@@ -9,15 +9,10 @@ import math
 import pytest
 import torch
 
+from forkrl.probe.bootstrap import _CellGrams, bootstrap_ci
 from forkrl.probe.gradients import parse_row_spec, resolve_layers
 from forkrl.probe.job import _common_erank, _overlap
-from forkrl.probe.metrics import (
-    _CellGrams,
-    bootstrap_ci,
-    cell_metrics,
-    effective_rank,
-    erank_at_n,
-)
+from forkrl.probe.metrics import cell_metrics, effective_rank, erank_at_n
 from forkrl.probe.outputs import count_nonfinite
 from forkrl.probe.sampling import (
     TokenStats,
@@ -79,6 +74,27 @@ def test_identity_resample_gives_the_point_estimates():
     for k in (1, 2):
         assert s[f"proj_energy_frac.{k}"] == pytest.approx(m["proj_energy_frac"][str(k)], rel=1e-10)
         assert s[f"proj_energy_frac_insample.{k}"] == pytest.approx(m["proj_energy_frac_insample"][str(k)], rel=1e-10)
+
+
+def test_all_draws_at_once_equal_one_draw_at_a_time():
+    """The batched draws (multiplicities, sqrt(w) G sqrt(w)) against explicit index vectors with repeats."""
+    v3, groups = _two_traj_cell()
+    cg = _CellGrams(v3)
+    draws = [[0, 1, 0, 1, 6, 7], [2, 3, 2, 3, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7], [6, 7]]
+    w = torch.zeros(len(draws), 8, dtype=DT)
+    for b, idx in enumerate(draws):
+        for i in idx:
+            w[b, i] += 1
+    batched = cg.batched(w, (1, 2))
+    for b, idx in enumerate(draws):
+        one = cg.scalars(torch.tensor(idx), [groups[i] for i in idx], (1, 2), 0)
+        cf = cg.crossfit(torch.tensor(idx), [groups[i] for i in idx], (1, 2), 0)
+        for name, x in batched.items():
+            want = one[name]
+            got = x[b].item()
+            assert (want is None and math.isnan(got)) or got == pytest.approx(want, rel=1e-9, abs=1e-12), (b, name)
+        for name, x in cf.items():
+            assert x == (None if one[name] is None else pytest.approx(one[name], rel=1e-12)), (b, name)
 
 
 def test_bootstrap_is_seeded_and_ordered():
