@@ -16,7 +16,12 @@ Modules:
     outputs      summary.json, token_probe_records.jsonl, manifest.json, plots
     sampling     trajectories (forkrl.models.sampling underneath), grading, the entropy pass, bins, selection
     gradients    exact batched per-position row gradients (forward hooks + is_grads_batched VJP)
-    metrics      float64 cell statistics (§4.3)
+    metrics      float64 cell statistics (§4.3), effective rank at a given n
+    bootstrap    cluster-bootstrap 95% intervals of the cell statistics (trajectories resampled)
+    __main__     the CLI: `python -m forkrl.probe --help` (the seed script's flags)
+
+Caveat: per-token log-prob gradients under teacher forcing, not a token's exact contribution to the trainer's
+aggregated DAPO/GRPO objective (params.CAVEAT).
 """
 
 from __future__ import annotations
