@@ -1,9 +1,9 @@
-"""The probe job's parameters: one pydantic model for the HTTP body, the job and (issue 14) the CLI.
+"""The probe job's parameters: one pydantic model for the HTTP body, the job and the CLI (`python -m forkrl.probe`).
 
     from forkrl.probe.params import ProbeParams
     params = ProbeParams(checkpoint_root="runs/x/checkpoints", steps=[20, 80], include_final=True)
 
-Each field's docstring is its documentation (the service's /docs, later the CLI's --help); ranges,
+Each field's docstring is its documentation (the service's /docs and the CLI's --help); ranges,
 allowed values and the rules between fields are enforced here, once, so an invalid value fails at the
 boundary (HTTP 422 naming the field) and nothing downstream re-checks them. What needs the filesystem or
 the task registry (does the step exist, is it a safetensors checkpoint, is the task known) is checked by
@@ -11,8 +11,9 @@ the task registry (does the step exist, is it a safetensors checkpoint, is the t
 settings of the process that runs it, not of the job, so they are not here.
 
 Field names are snake_case and map 1:1 to kebab-case flags (`max_positions_per_group` <->
-`--max-positions-per-group`): a pydantic-settings CLI can subclass this model as it is. Imports nothing
-heavy, so such a CLI answers --help at once.
+`--max-positions-per-group`); they are the seed script's names (num_samples, layer_indices, row_spec), and
+the names this model had before (group_size, layers, row_specs) are accepted as aliases, in JSON and as
+flags. The CLI subclasses this model as it is. Imports nothing heavy, so the CLI answers --help at once.
 """
 
 from __future__ import annotations
