@@ -5,7 +5,10 @@ Every rank builds the same tiny random-init Qwen2 model and the same batch from 
 copy (DDP-style all_reduce) and on an FSDP2 copy (`fully_shard` per decoder layer + root, gloo), and rank 0
 writes, per case, the largest |2 ranks - 1 rank| of every metric and of the updated weights to argv[1].
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist/dp_worker.py OUT.json
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist/dp_worker.py OUT.json [CKPT_DIR]
+
+With CKPT_DIR, the first case also writes the 1-rank result (ref/) and the FSDP2 result gathered on rank 0
+(fsdp/, `save_full_pretrained`) as HF checkpoints.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from forkrl.rl.dp import dp_train_step
 from forkrl.rl.losses import LossConfig
 from forkrl.rl.step import Batch, build_batch, train_step
-from forkrl.training.distributed import full_state_dict, init_from_env, shard_model
+from forkrl.training.distributed import full_state_dict, init_from_env, save_full_pretrained, shard_model
 
 VOCAB = 29
 GROUP = 4
@@ -72,7 +75,7 @@ def make_opt(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR[kind], weight_decay=0.01)
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, ckpt_dir: str | None) -> None:
     info = init_from_env()
     assert info.world_size == 2, info
     results = {}
@@ -84,12 +87,17 @@ def main(out_path: str) -> None:
         m_ref = train_step(ref, ref_opt, batch, adv, cfg, **kw)
         want = {k: v.detach().clone() for k, v in ref.state_dict().items()}
         case = {"ref": m_ref}
+        save = ckpt_dir is not None and name == CASES[0][0]
+        if save and info.rank == 0:
+            ref.save_pretrained(f"{ckpt_dir}/ref", safe_serialization=True)
         for mode in ("ddp", "fsdp"):
             model = build_model(tied)
             if mode == "fsdp":
                 model = shard_model(model, "cpu")
             opt = make_opt(model, opt_kind)
             m = dp_train_step(model, opt, batch, adv, cfg, **kw)
+            if save and mode == "fsdp":
+                save_full_pretrained(model, f"{ckpt_dir}/fsdp")
             got = full_state_dict(model) if mode == "fsdp" else {k: v.detach() for k, v in model.state_dict().items()}
             if info.rank == 0:
                 assert set(m) == set(m_ref), (sorted(set(m) ^ set(m_ref)))
@@ -108,4 +116,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
