@@ -67,6 +67,9 @@ CASES = [
     ("seq_mean_adamw", LossConfig(name="grpo", entropy_top_frac=0.2, mask_scope="step"), False, 16, 8, "adamw"),
 ]
 LR = {"sgd": 1.0, "adamw": 1e-6}
+# More modes for one case: FSDP2 with activation checkpointing (exact), and with bf16 compute on CPU (the
+# MixedPrecisionPolicy the GPU path uses: fp32 master weights and reduction; compared loosely).
+MODES = {"step_top0.2": ("ddp", "fsdp", "fsdp_ac", "fsdp_bf16")}
 
 
 def make_opt(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
@@ -90,22 +93,24 @@ def main(out_path: str, ckpt_dir: str | None) -> None:
         save = ckpt_dir is not None and name == CASES[0][0]
         if save and info.rank == 0:
             ref.save_pretrained(f"{ckpt_dir}/ref", safe_serialization=True)
-        for mode in ("ddp", "fsdp"):
+        for mode in MODES.get(name, ("ddp", "fsdp")):
             model = build_model(tied)
-            if mode == "fsdp":
-                model = shard_model(model, "cpu")
+            if mode.startswith("fsdp"):
+                model = shard_model(model, "cpu", activation_checkpointing=mode == "fsdp_ac",
+                                    mixed_precision=mode == "fsdp_bf16")
             opt = make_opt(model, opt_kind)
             m = dp_train_step(model, opt, batch, adv, cfg, **kw)
             if save and mode == "fsdp":
                 save_full_pretrained(model, f"{ckpt_dir}/fsdp")
-            got = full_state_dict(model) if mode == "fsdp" else {k: v.detach() for k, v in model.state_dict().items()}
+            got = full_state_dict(model) if mode.startswith("fsdp") else {k: v.detach() for k, v in model.state_dict().items()}
             if info.rank == 0:
                 assert set(m) == set(m_ref), (sorted(set(m) ^ set(m_ref)))
                 dw = max(float((got[k] - want[k]).abs().max()) for k in want)
                 scale = max(float(v.abs().max()) for v in want.values())
                 dm = {k: abs(m[k] - m_ref[k]) if math.isfinite(m_ref[k]) else (0.0 if m[k] == m_ref[k] else 1e9)
                       for k in m_ref}
-                case[mode] = {"metrics": m, "metric_delta": dm, "weight_delta": dw, "weight_scale": scale}
+                case[mode] = {"metrics": m, "metric_delta": dm, "weight_delta": dw, "weight_scale": scale,
+                              "dtypes": sorted({str(v.dtype) for v in got.values()})}
             del model, opt
         results[name] = case
         dist.barrier()

@@ -93,3 +93,26 @@ def test_the_fsdp_checkpoint_gathered_on_rank_0_loads_in_transformers(two_rank_r
     assert set(ref) == set(got)
     for k in ref:
         assert torch.allclose(ref[k], got[k], rtol=0, atol=REL * max(1.0, float(ref[k].abs().max()))), k
+
+
+def test_fsdp_with_activation_checkpointing_equals_one_rank(two_rank_result: tuple[dict, Path]) -> None:
+    c = two_rank_result[0]["cases"]["step_top0.2"]
+    ref, got = c["ref"], c["fsdp_ac"]
+    for k, v in ref.items():  # recomputing the layers' activations repeats the same float32 operations
+        assert got["metric_delta"][k] <= REL * max(1.0, abs(v)), (k, got["metric_delta"][k], v)
+    assert got["weight_delta"] <= REL * max(1.0, got["weight_scale"])
+
+
+def test_fsdp_bf16_compute_keeps_fp32_master_weights_and_stays_close(two_rank_result: tuple[dict, Path]) -> None:
+    # MixedPrecisionPolicy(bf16 params in compute, fp32 reduce), the GPU default, run on CPU. bf16 has an
+    # 8-bit significand (unit roundoff 2**-8 ~ 3.9e-3); the logits and gradients of a 2-layer model carry a
+    # few such roundings, so BF16_REL = 2**-5 (8 roundings) bounds them relative to the O(1) clipped update;
+    # summing instead of averaging the 2 ranks' gradients (or the reverse) would be off by 1/2.
+    bf16_rel = 2.0**-5
+    c = two_rank_result[0]["cases"]["step_top0.2"]
+    ref, got = c["ref"], c["fsdp_bf16"]
+    assert got["dtypes"] == ["torch.float32"]  # the gathered (master) weights stay fp32
+    for k in EXACT:
+        assert got["metrics"][k] == ref[k], k
+    assert abs(got["metrics"]["grad_norm"] - ref["grad_norm"]) <= bf16_rel * ref["grad_norm"]
+    assert got["weight_delta"] <= bf16_rel * max(1.0, got["weight_scale"])
