@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from forkrl.rl.advantages import compute_advantages
+from forkrl.rl.dp import dp_train_step
 from forkrl.rl.losses import LossConfig
-from forkrl.rl.step import build_batch, train_step
+from forkrl.rl.step import build_batch
 from forkrl.seeds import run_seed
 from forkrl.training.config import RunConfig
 from forkrl.training.scoring import ScoredBatch
@@ -66,9 +67,11 @@ class Policy:
         flat = scored.trajectories
         batch = build_batch([list(t.prompt_token_ids) for t in flat], [list(t.completion_token_ids) for t in flat],
                             [list(t.logprobs) for t in flat], self.pad_id)
-        return train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
-                          micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                          ref_model=self.ref_model)
+        # one process (today's trainer): dp_train_step is train_step itself; under torch.distributed every
+        # rank passes the whole batch and trains its share (forkrl/rl/dp.py, docs/scaling.md)
+        return dp_train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
+                             micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                             ref_model=self.ref_model)
 
     def save(self, run_dir: Path, name: str, state: dict[str, Any]) -> Path:
         return save_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state)
