@@ -66,6 +66,12 @@ class RunConfig(BaseModel):
     """PPO clip epsilon high; unset = the loss's default."""
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per micro-batch (gradient accumulation)."""
+    mini_batch_prompts: int = Field(0, ge=0)
+    """Prompts (whole groups) per optimizer update: the rollout batch is split into mini-batches of this many
+    prompts, one AdamW step each, with pi_old = the weights before the first update (DAPO/80-20 paper: 32 of
+    512); 0 = all prompts, one update per step."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over the rollout batch's mini-batches per step (PPO epochs)."""
     save_every: int = Field(0, ge=0)
     """Checkpoint every N steps (0 = only the final one)."""
     run_dir: str = ""
@@ -130,6 +136,9 @@ class RunConfig(BaseModel):
             raise ValueError("dynamic_sampling needs group_size >= 2 (it keeps groups with mixed rewards)")
         if self.clip_low is not None and self.clip_low >= 1:
             raise ValueError(f"clip_low must be < 1 (the ratio floor is 1 - clip_low), got {self.clip_low}")
+        if self.mini_batch_prompts > self.prompts_per_step:
+            raise ValueError(f"mini_batch_prompts ({self.mini_batch_prompts}) must be <= prompts_per_step "
+                             f"({self.prompts_per_step}); 0 = all prompts in one update")
         if self.resume and not self.run_dir:
             raise ValueError("resume needs run_dir (the run to continue)")
         return self

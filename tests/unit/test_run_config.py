@@ -34,6 +34,9 @@ def test_bad_values_name_the_field_and_value() -> None:
     assert _msg(loss="rloo", group_size=1) == "loss rloo needs group_size >= 2 (leave-one-out baseline), got 1"
     assert _msg(resume=True) == "resume needs run_dir (the run to continue)"
     assert _msg(bogus=1) == "unknown setting 'bogus'"
+    assert _msg(mini_batch_prompts=64) == \
+        "mini_batch_prompts (64) must be <= prompts_per_step (32); 0 = all prompts in one update"
+    assert _msg(ppo_epochs=0) == "ppo_epochs: Input should be greater than or equal to 1, got 0"
 
 
 def test_proto_round_trip_keeps_every_field() -> None:
@@ -42,7 +45,8 @@ def test_proto_round_trip_keeps_every_field() -> None:
                     clip_low=0.1, clip_high=0.3, micro_batch_size=4, save_every=2, run_dir="/r", resume=True,
                     seed=3, rollout_addresses=["127.0.0.1:1", "127.0.0.1:2"], kl_beta=0.01, dynamic_sampling=True,
                     weight_sync="path", eval_every=3, eval_prompts=0, overlong_cache_len=4, adam_beta1=0.0,
-                    dual_clip_c=3.0, cispo_max_weight=2.0, max_gen_batches=5, warmup_steps=2, weight_decay=0.1)
+                    dual_clip_c=3.0, cispo_max_weight=2.0, max_gen_batches=5, warmup_steps=2, weight_decay=0.1,
+                    mini_batch_prompts=2, ppo_epochs=3)
     assert from_proto(to_proto(cfg)) == cfg
     # unset optional fields stay unset (None = the loss default / no mask), not 0.0
     plain = RunConfig()
