@@ -91,7 +91,8 @@ class RunConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up steps."""
     dynamic_sampling: bool = False
-    """DAPO dynamic sampling: keep only groups with mixed rewards, refill the batch."""
+    """DAPO dynamic sampling: keep only groups of mixed correctness (0 < #correct < G, graded before the overlong
+    penalty), refill the batch."""
     max_gen_batches: int = Field(3, ge=1)
     """Dynamic sampling: max generation rounds per step."""
     dual_clip_c: float | None = Field(None, gt=1)
@@ -133,7 +134,7 @@ class RunConfig(BaseModel):
         if self.loss == "rloo" and self.group_size < 2:
             raise ValueError(f"loss rloo needs group_size >= 2 (leave-one-out baseline), got {self.group_size}")
         if self.dynamic_sampling and self.group_size < 2:
-            raise ValueError("dynamic_sampling needs group_size >= 2 (it keeps groups with mixed rewards)")
+            raise ValueError("dynamic_sampling needs group_size >= 2 (it keeps groups of mixed correctness)")
         if self.clip_low is not None and self.clip_low >= 1:
             raise ValueError(f"clip_low must be < 1 (the ratio floor is 1 - clip_low), got {self.clip_low}")
         if self.mini_batch_prompts > self.prompts_per_step:
