@@ -68,8 +68,8 @@ class RunConfig(BaseModel):
     """Sequences per micro-batch (gradient accumulation)."""
     mini_batch_prompts: int = Field(0, ge=0)
     """Prompts (whole groups) per optimizer update: the rollout batch is split into mini-batches of this many
-    prompts, one AdamW step each, with pi_old = the weights before the first update (DAPO/80-20 paper: 32 of
-    512); 0 = all prompts, one update per step."""
+    prompts, one AdamW step each, with pi_old = the weights before the first update (DAPO and the 80/20
+    paper: 32 of 512); 0 = all prompts, one update per step."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over the rollout batch's mini-batches per step (PPO epochs)."""
     save_every: int = Field(0, ge=0)
@@ -99,6 +99,9 @@ class RunConfig(BaseModel):
     """Dual-clip constant c for A < 0 (off if unset)."""
     cispo_max_weight: float | None = Field(None, gt=0)
     """CISPO: absolute cap on the detached IS weight; unset = the loss default."""
+    tis_cap: float | None = Field(None, ge=1)
+    """Truncated importance sampling on the rollout engine's logprobs: weight each token's loss by
+    min(pi_old / pi_rollout, C) (published: 2.0; not for cispo); unset = off."""
     weight_sync: WeightSync = "stream"
     """Push weights by streaming (UpdateWeights) or through the run dir (LoadWeights)."""
     eval_every: int = Field(0, ge=0)
@@ -153,6 +156,7 @@ class RunConfig(BaseModel):
             name=self.loss, clip_low=self.clip_low, clip_high=self.clip_high, dual_clip_c=self.dual_clip_c,
             kl_beta=self.kl_beta, cispo_max_weight=self.cispo_max_weight, max_len=self.max_new_tokens,
             mask_norm=self.mask_norm, entropy_top_frac=self.entropy_top_frac, mask_scope=self.mask_scope,
+            tis_cap=self.tis_cap,
         )
 
 
