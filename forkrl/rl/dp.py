@@ -162,13 +162,21 @@ def dp_train_step(
     micro_batch_size: int,
     max_grad_norm: float,
     ref_model: torch.nn.Module | None = None,
+    mini_batch_size: int | None = None,
+    epochs: int = 1,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
-    """`train_step` over the ranks of `group` (the default group); see the module docstring."""
+    """`train_step` over the ranks of `group` (the default group); see the module docstring.
+
+    Several updates per batch (`mini_batch_size`, `epochs`) run at world size 1 only for now."""
     rank, world = dp_rank_world(group)
     if world == 1:
         return train_step(model, optimizer, batch, advantages, loss_cfg, temperature=temperature,
-                          micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, ref_model=ref_model)
+                          micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, ref_model=ref_model,
+                          mini_batch_size=mini_batch_size, epochs=epochs)
+    if (mini_batch_size is not None and mini_batch_size < len(batch)) or epochs != 1:
+        raise ValueError("several updates per rollout batch (mini_batch_prompts, ppo_epochs) are not built across "
+                         f"ranks yet; run them with one rank (world size {world})")
     n = len(batch)
     if advantages.shape != (n,):
         raise ValueError(f"advantages must have shape ({n},) (one per sequence), got {tuple(advantages.shape)}")

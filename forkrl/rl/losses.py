@@ -118,6 +118,7 @@ class LossConfig:
     max_len: L_max of seq_sum_const (= max_new_tokens); required for that aggregator, unused otherwise.
     agg: aggregator override. mask_norm: "kept" | "all". entropy_top_frac: rho in (0, 1], None/1 = off.
     mask_scope: "microbatch" | "step" (only used to count kept tokens in step_denominator).
+    tis_cap: C of truncated importance sampling on the behaviour policy, >= 1 (forkrl/rl/tis.py); None = off.
     """
 
     name: LossName
@@ -131,6 +132,7 @@ class LossConfig:
     mask_norm: MaskNorm | None = None
     entropy_top_frac: float | None = None
     mask_scope: MaskScope = "microbatch"
+    tis_cap: float | None = None
 
     def __post_init__(self) -> None:
         n = self.name
@@ -163,6 +165,12 @@ class LossConfig:
                 raise ValueError(f"cispo_max_weight is only used by loss 'cispo', not {n!r}; leave it None")
             if not self.cispo_max_weight > 0.0:
                 raise ValueError(f"cispo_max_weight must be > 0, got {self.cispo_max_weight}")
+        if self.tis_cap is not None:
+            if n == "cispo":
+                raise ValueError("tis_cap is not used by loss 'cispo' (its IS weight is already truncated at "
+                                 "cispo_max_weight); leave it None")
+            if not (self.tis_cap >= 1.0 and math.isfinite(self.tis_cap)):
+                raise ValueError(f"tis_cap must be a finite number >= 1, got {self.tis_cap}")
         if not (self.kl_beta >= 0.0 and math.isfinite(self.kl_beta)):
             raise ValueError(f"kl_beta must be a finite number >= 0, got {self.kl_beta}")
         if self.max_len is not None and not (isinstance(self.max_len, int) and self.max_len >= 1):
@@ -304,6 +312,7 @@ def policy_loss(
     token_mask: Tensor | None,
     denom: StepDenominator,
     ref_logp: Tensor | None = None,
+    is_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """This micro-batch's share of the step loss, and its metrics.
 
@@ -314,15 +323,17 @@ def policy_loss(
         token_mask: [B, T] bool forking mask (subset of response_mask), or None = response_mask. Required
             when cfg.entropy_top_frac < 1 (a mask that is silently off is §6 P3).
         denom: from step_denominator() over the whole step. ref_logp: [B, T], required if kl_beta > 0
-            (with kl_beta = 0 it only feeds the kl_mean metric).
+            (with kl_beta = 0 it only feeds the kl_mean metric). is_weight: [B, T] detached per-token
+            weight multiplying the policy term (truncated IS on the behaviour policy, forkrl/rl/tis.py); None = 1.
     Returns:
         (loss, metrics). loss: scalar, this micro-batch's share (sum over the step's micro-batches = the
         step loss). metrics (floats): loss, pg_loss, kl_loss (unweighted KL) are shares too; clip_frac_low,
         clip_frac_high (and dual_clip_frac) are fractions of this micro-batch's kept tokens; ratio_mean,
-        ratio_max, kl_mean are over its response tokens (ratio metrics only when old_logp is given, KL ones
+        ratio_min, ratio_max, kl_mean are over its response tokens (ratio metrics only when old_logp is given, KL ones
         only when ref_logp is); kept_tokens, response_tokens, kept_frac are counts in this micro-batch.
     """
-    _check_inputs(cfg, logp, {"old_logp": old_logp, "ref_logp": ref_logp}, advantages, denom)
+    _check_inputs(cfg, logp, {"old_logp": old_logp, "ref_logp": ref_logp, "is_weight": is_weight}, advantages,
+                  denom)
     resp = _check_mask(response_mask, "response_mask", tuple(logp.shape))
     w = resp if token_mask is None else _check_mask(token_mask, "token_mask", tuple(logp.shape))
     if old_logp is None and cfg.name in _NEEDS_OLD_LOGP:
@@ -373,6 +384,8 @@ def policy_loss(
         pg = -ratio.detach().clamp(max=cfg.cispo_cap) * adv * lp  # sg(r_hat) A logp (§3.6)
     else:  # reinforce, rloo: no importance ratio (§3.4)
         pg = -adv * lp
+    if is_weight is not None:  # TIS (§3.8): a detached per-token weight, 1 = off
+        pg = pg * torch.where(resp, is_weight.detach().to(pg.dtype), 1.0)
     agg, max_len = cfg.aggregator, cfg.max_len
     pg_loss = _aggregate(pg, w, resp, agg, cfg.norm, denom.pg_tokens, denom.seqs, max_len)
     loss = pg_loss
@@ -417,12 +430,13 @@ def _metrics(
             else:  # cispo: the IS weight is capped from above only; reinforce/rloo clip nothing
                 low = torch.zeros_like(w)
                 high = r > cfg.cispo_cap if cfg.name == "cispo" else torch.zeros_like(w)
-            names += ["clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max"]
+            names += ["clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max", "ratio_min"]
             vals += [
                 (low & w).sum().to(f64) / kept,
                 (high & w).sum().to(f64) / kept,
                 torch.where(resp, r, zero).sum() / n_resp,
                 torch.where(resp, r, torch.full_like(r, -math.inf)).max(),
+                torch.where(resp, r, torch.full_like(r, math.inf)).min(),
             ]
             if cfg.dual_clip_c is not None:
                 names.append("dual_clip_frac")

@@ -66,6 +66,12 @@ class RunConfig(BaseModel):
     """PPO clip epsilon high; unset = the loss's default."""
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per micro-batch (gradient accumulation)."""
+    mini_batch_prompts: int = Field(0, ge=0)
+    """Prompts (whole groups) per optimizer update: the rollout batch is split into mini-batches of this many
+    prompts, one AdamW step each, with pi_old = the weights before the first update (DAPO and the 80/20
+    paper: 32 of 512); 0 = all prompts, one update per step."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over the rollout batch's mini-batches per step (PPO epochs)."""
     save_every: int = Field(0, ge=0)
     """Checkpoint every N steps (0 = only the final one)."""
     run_dir: str = ""
@@ -85,13 +91,17 @@ class RunConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up steps."""
     dynamic_sampling: bool = False
-    """DAPO dynamic sampling: keep only groups with mixed rewards, refill the batch."""
+    """DAPO dynamic sampling: keep only groups of mixed correctness (0 < #correct < G, graded before the overlong
+    penalty), refill the batch."""
     max_gen_batches: int = Field(3, ge=1)
     """Dynamic sampling: max generation rounds per step."""
     dual_clip_c: float | None = Field(None, gt=1)
     """Dual-clip constant c for A < 0 (off if unset)."""
     cispo_max_weight: float | None = Field(None, gt=0)
     """CISPO: absolute cap on the detached IS weight; unset = the loss default."""
+    tis_cap: float | None = Field(None, ge=1)
+    """Truncated importance sampling on the rollout engine's logprobs: weight each token's loss by
+    min(pi_old / pi_rollout, C) (published: 2.0; not for cispo); unset = off."""
     weight_sync: WeightSync = "stream"
     """Push weights by streaming (UpdateWeights) or through the run dir (LoadWeights)."""
     eval_every: int = Field(0, ge=0)
@@ -127,9 +137,12 @@ class RunConfig(BaseModel):
         if self.loss == "rloo" and self.group_size < 2:
             raise ValueError(f"loss rloo needs group_size >= 2 (leave-one-out baseline), got {self.group_size}")
         if self.dynamic_sampling and self.group_size < 2:
-            raise ValueError("dynamic_sampling needs group_size >= 2 (it keeps groups with mixed rewards)")
+            raise ValueError("dynamic_sampling needs group_size >= 2 (it keeps groups of mixed correctness)")
         if self.clip_low is not None and self.clip_low >= 1:
             raise ValueError(f"clip_low must be < 1 (the ratio floor is 1 - clip_low), got {self.clip_low}")
+        if self.mini_batch_prompts > self.prompts_per_step:
+            raise ValueError(f"mini_batch_prompts ({self.mini_batch_prompts}) must be <= prompts_per_step "
+                             f"({self.prompts_per_step}); 0 = all prompts in one update")
         if self.resume and not self.run_dir:
             raise ValueError("resume needs run_dir (the run to continue)")
         return self
@@ -143,6 +156,7 @@ class RunConfig(BaseModel):
             name=self.loss, clip_low=self.clip_low, clip_high=self.clip_high, dual_clip_c=self.dual_clip_c,
             kl_beta=self.kl_beta, cispo_max_weight=self.cispo_max_weight, max_len=self.max_new_tokens,
             mask_norm=self.mask_norm, entropy_top_frac=self.entropy_top_frac, mask_scope=self.mask_scope,
+            tis_cap=self.tis_cap,
         )
 
 

@@ -85,7 +85,7 @@ def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = Tr
             metrics = scored.metrics()
             metrics.update(time_generate_s=scored.time_generate_s, time_score_s=scored.time_score_s, lr=lr)
             if not scored.groups:
-                run.event("LOG", "no group with mixed rewards after dynamic sampling; step skipped", step=step)
+                run.event("LOG", "no group of mixed correctness after dynamic sampling; step skipped", step=step)
                 s.report(step, metrics | {"policy_version": float(s.version),
                                           "time_step_s": time.perf_counter() - t_step})
                 continue

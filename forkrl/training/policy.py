@@ -61,17 +61,19 @@ class Policy:
         return lr
 
     def update(self, scored: ScoredBatch, loss_cfg: LossConfig) -> dict[str, float]:
-        """One optimizer step on the scored groups; returns the step's loss/mask/entropy metrics."""
+        """The optimizer updates of one step on the scored groups (one per mini-batch of cfg.mini_batch_prompts
+        groups, cfg.ppo_epochs passes); returns the step's loss/mask/entropy/ratio metrics."""
         cfg = self.cfg
         adv = compute_advantages(cfg.loss, scored.rewards).reshape(-1)
         flat = scored.trajectories
         batch = build_batch([list(t.prompt_token_ids) for t in flat], [list(t.completion_token_ids) for t in flat],
                             [list(t.logprobs) for t in flat], self.pad_id)
+        mini = cfg.mini_batch_prompts * len(scored.groups[0]) if cfg.mini_batch_prompts else None
         # one process (today's trainer): dp_train_step is train_step itself; under torch.distributed every
         # rank passes the whole batch and trains its share (forkrl/rl/dp.py, docs/scaling.md)
         return dp_train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
                              micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                             ref_model=self.ref_model)
+                             ref_model=self.ref_model, mini_batch_size=mini, epochs=cfg.ppo_epochs)
 
     def save(self, run_dir: Path, name: str, state: dict[str, Any]) -> Path:
         return save_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state)

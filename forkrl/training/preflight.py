@@ -1,6 +1,7 @@
 """Resolve and check a run config once, before the run starts (the trainer service calls it in StartRun).
 
     cfg = preflight(RunConfig(entropy_top_frac=0.2))   # model dir, task, reward, max_new_tokens filled in
+    cfg = check_values(cfg)     # the same checks except those that need the files (recipes, tests)
 
 ValueError → the request is wrong (INVALID_ARGUMENT); FileNotFoundError → the world is not ready for it
 (FAILED_PRECONDITION: e.g. resume without a checkpoint). The training loop receives the resolved config and
@@ -36,17 +37,23 @@ def resolve(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update=updates)
 
 
-def preflight(cfg: RunConfig) -> RunConfig:
-    """The resolved config, after the checks that need the filesystem: a bad run fails before it starts."""
+def check_values(cfg: RunConfig) -> RunConfig:
+    """The resolved config, after every check that needs no file: task, reward, the loss's combinations."""
     cfg = resolve(cfg)
-    if not (Path(cfg.model) / "config.json").is_file():
-        raise ValueError(f"model: {cfg.model!r} is not an HF checkpoint directory (no config.json)")
-    if cfg.dataset and not Path(cfg.dataset).is_file():
-        raise ValueError(f"dataset: no such file {cfg.dataset!r}")
     if cfg.task and not cfg.dataset:
         get_task(cfg.task)  # raises ValueError naming the known tasks
     get_reward_fn(cfg.reward)  # raises ValueError for an unknown reward
     cfg.loss_config()  # raises ValueError for a combination the loss cannot honour
+    return cfg
+
+
+def preflight(cfg: RunConfig) -> RunConfig:
+    """The resolved config, after the checks that need the filesystem: a bad run fails before it starts."""
+    cfg = check_values(cfg)
+    if not (Path(cfg.model) / "config.json").is_file():
+        raise ValueError(f"model: {cfg.model!r} is not an HF checkpoint directory (no config.json)")
+    if cfg.dataset and not Path(cfg.dataset).is_file():
+        raise ValueError(f"dataset: no such file {cfg.dataset!r}")
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
         has_ckpt = latest_checkpoint(run_dir) is not None

@@ -33,10 +33,11 @@ class ScoredBatch:
 
     groups: list[list[Any]]  # trajectories by prompt: groups[i][j] is sample j of problems[i]
     problems: list[Problem]
-    rewards: torch.Tensor  # [len(groups), G] float32
+    correctness: torch.Tensor  # [len(groups), G] float32: the reward function's grade (None -> 0), no penalty
+    rewards: torch.Tensor  # [len(groups), G] float32: correctness + the soft overlong penalty (if configured)
     rounds: int  # generation rounds (> 1 only with dynamic sampling)
     seen_groups: int
-    mixed_groups: int  # groups whose rewards were not all equal
+    mixed_groups: int  # groups whose correctness was not all equal (0 < #correct < G)
     time_generate_s: float
     time_score_s: float
 
@@ -46,11 +47,11 @@ class ScoredBatch:
         return [t for g in self.groups for t in g]
 
     def metrics(self) -> dict[str, float]:
-        r = self.rewards
+        r, c = self.rewards, self.correctness
         out = {
             "reward_mean": float(r.mean()) if r.numel() else 0.0,
             "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
-            "accuracy": float((r > 0).float().mean()) if r.numel() else 0.0,
+            "accuracy": float((c > 0).float().mean()) if c.numel() else 0.0,
             "groups_mixed_frac": self.mixed_groups / max(self.seen_groups, 1),
             "gen_rounds": float(self.rounds),
             "groups_used": float(len(self.groups)),
@@ -70,27 +71,30 @@ class ScoredBatch:
         return sum(len(t.completion_token_ids) for t in self.trajectories)
 
 
-def score(reward_fn: RewardFn, groups: list[list[Any]], problems: list[Problem], cfg: RunConfig) -> torch.Tensor:
-    """Rewards [B, G] (None → 0 and counted). DAPO's soft overlong penalty is added when configured."""
+def score(reward_fn: RewardFn, groups: list[list[Any]], problems: list[Problem],
+          cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correctness, rewards), both [B, G] float32: the reward function's grades (None → 0), and the reward
+    trained on = correctness + DAPO's soft overlong penalty when configured (else the same tensor)."""
     flat = [t for g in groups for t in g]
     probs = [p for p, g in zip(problems, groups, strict=True) for _ in g]
     result = reward_fn([t.completion_text for t in flat], probs)
     rewards = torch.tensor([0.0 if r is None else float(r) for r in result.rewards], dtype=torch.float32)
-    rewards = rewards.view(len(groups), -1)
-    if cfg.overlong_cache_len > 0:
-        lengths = torch.tensor([len(t.completion_token_ids) for t in flat]).view_as(rewards)
-        rewards = rewards + soft_overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_cache_len)
-    return rewards
+    correctness = rewards.view(len(groups), -1)
+    if cfg.overlong_cache_len <= 0:
+        return correctness, correctness
+    lengths = torch.tensor([len(t.completion_token_ids) for t in flat]).view_as(correctness)
+    return correctness, correctness + soft_overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_cache_len)
 
 
 def collect_batch(rollouts: Rollouts, data: DataOrder, reward_fn: RewardFn, cfg: RunConfig, step: int) -> ScoredBatch:
-    """Sample and score cfg.prompts_per_step groups. With dynamic sampling (DAPO §3.3) only groups with mixed
-    rewards are kept and the batch is refilled from fresh prompts, for at most cfg.max_gen_batches rounds; the
-    batch may then hold fewer groups (or none)."""
+    """Sample and score cfg.prompts_per_step groups. With dynamic sampling (DAPO §3.3) only groups of mixed
+    correctness (0 < #correct < G, decided on the reward function's grades *before* the overlong penalty, which
+    would make an all-correct group of different lengths look mixed) are kept and the batch is refilled from
+    fresh prompts, for at most cfg.max_gen_batches rounds; the batch may then hold fewer groups (or none)."""
     t0 = time.perf_counter()
     groups: list[list[Any]] = []
     problems: list[Problem] = []
-    rewards_list = []
+    rewards_list, correct_list = [], []
     t_score = 0.0
     rounds, seen_groups, mixed_groups = 0, 0, 0
     while True:
@@ -98,25 +102,26 @@ def collect_batch(rollouts: Rollouts, data: DataOrder, reward_fn: RewardFn, cfg:
         g = rollouts.generate([p.prompt for p in batch_probs], n=cfg.group_size, temperature=cfg.temperature,
                               max_new_tokens=cfg.max_new_tokens, seed=run_seed("gen", cfg.seed, step, rounds))
         ts = time.perf_counter()
-        r = score(reward_fn, g, batch_probs, cfg)
+        c, r = score(reward_fn, g, batch_probs, cfg)
         t_score += time.perf_counter() - ts
         rounds += 1
         seen_groups += len(g)
-        keep = dynamic_sampling_keep(r) if cfg.group_size > 1 else torch.ones(len(g), dtype=torch.bool)
+        keep = dynamic_sampling_keep(c) if cfg.group_size > 1 else torch.ones(len(g), dtype=torch.bool)
         mixed_groups += int(keep.sum())
         if cfg.dynamic_sampling:
             idx = keep.nonzero().flatten().tolist()
-            g, batch_probs, r = [g[i] for i in idx], [batch_probs[i] for i in idx], r[keep]
+            g, batch_probs, c, r = [g[i] for i in idx], [batch_probs[i] for i in idx], c[keep], r[keep]
         groups += g
         problems += batch_probs
         rewards_list.append(r)
+        correct_list.append(c)
         if not cfg.dynamic_sampling or len(groups) >= cfg.prompts_per_step or rounds >= cfg.max_gen_batches:
             break
     if cfg.dynamic_sampling:
         groups, problems = groups[: cfg.prompts_per_step], problems[: cfg.prompts_per_step]
-    rewards = torch.cat(rewards_list)[: len(groups)]
+    rewards, correctness = torch.cat(rewards_list)[: len(groups)], torch.cat(correct_list)[: len(groups)]
     t_gen = time.perf_counter() - t0 - t_score
-    return ScoredBatch(groups, problems, rewards, rounds, seen_groups, mixed_groups, t_gen, t_score)
+    return ScoredBatch(groups, problems, correctness, rewards, rounds, seen_groups, mixed_groups, t_gen, t_score)
 
 
 def evaluate(rollouts: Rollouts, reward_fn: RewardFn, problems: list[Problem], cfg: RunConfig,

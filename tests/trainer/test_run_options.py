@@ -9,6 +9,7 @@ Options are combined into few short runs to keep the suite fast.
 from __future__ import annotations
 
 import json
+import math
 import signal
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def test_dataset_with_math_verify_and_the_overlong_penalty(rollout_address, trai
     cfg = RunConfig(
         model=str(tiny_model_dir), rollout_addresses=[rollout_address], run_dir=str(run_dir), seed=0,
         dataset=str(dataset), max_new_tokens=11, overlong_cache_len=11, num_steps=2, prompts_per_step=8,
-        group_size=4, eval_prompts=8,
+        group_size=4, eval_prompts=8, loss="dapo", mini_batch_prompts=3, ppo_epochs=2, tis_cap=2.0,
     )
     before = _info(rollout_address).counters
     _, _, run = run_to_end(trainer[0], cfg)
@@ -121,6 +122,10 @@ def test_dataset_with_math_verify_and_the_overlong_penalty(rollout_address, trai
         assert m["accuracy"] == 0.0
         assert m["reward_mean"] == pytest.approx(-m["response_len_mean"] / 11, rel=1e-5)
         assert m["logp_delta_max"] <= logp_ceiling
+        # mini-batches of 3, 3 and 2 prompts, two epochs: six AdamW updates on the same batch. π_old is the
+        # served policy, so the truncated-IS ratio is the engine's float32 gap only (below the cap 2).
+        assert m["n_updates"] == 6.0 and m["micro_batches"] == 3.0
+        assert m["tis_ratio_max"] <= math.exp(logp_ceiling) and m["tis_capped_frac"] == 0.0
     for e in _check_evals(run_dir, [0, 2], prompts=8):
         assert e["eval_accuracy"] == e["eval_greedy_accuracy"] == 0.0
 

@@ -34,6 +34,10 @@ def test_bad_values_name_the_field_and_value() -> None:
     assert _msg(loss="rloo", group_size=1) == "loss rloo needs group_size >= 2 (leave-one-out baseline), got 1"
     assert _msg(resume=True) == "resume needs run_dir (the run to continue)"
     assert _msg(bogus=1) == "unknown setting 'bogus'"
+    assert _msg(mini_batch_prompts=64) == \
+        "mini_batch_prompts (64) must be <= prompts_per_step (32); 0 = all prompts in one update"
+    assert _msg(ppo_epochs=0) == "ppo_epochs: Input should be greater than or equal to 1, got 0"
+    assert _msg(tis_cap=0.5) == "tis_cap: Input should be greater than or equal to 1, got 0.5"
 
 
 def test_proto_round_trip_keeps_every_field() -> None:
@@ -42,12 +46,13 @@ def test_proto_round_trip_keeps_every_field() -> None:
                     clip_low=0.1, clip_high=0.3, micro_batch_size=4, save_every=2, run_dir="/r", resume=True,
                     seed=3, rollout_addresses=["127.0.0.1:1", "127.0.0.1:2"], kl_beta=0.01, dynamic_sampling=True,
                     weight_sync="path", eval_every=3, eval_prompts=0, overlong_cache_len=4, adam_beta1=0.0,
-                    dual_clip_c=3.0, cispo_max_weight=2.0, max_gen_batches=5, warmup_steps=2, weight_decay=0.1)
+                    dual_clip_c=3.0, cispo_max_weight=2.0, max_gen_batches=5, warmup_steps=2, weight_decay=0.1,
+                    mini_batch_prompts=2, ppo_epochs=3, tis_cap=2.0)
     assert from_proto(to_proto(cfg)) == cfg
     # unset optional fields stay unset (None = the loss default / no mask), not 0.0
     plain = RunConfig()
     back = from_proto(to_proto(plain))
-    assert back.entropy_top_frac is None and back.clip_low is None and back == plain
+    assert back.entropy_top_frac is None and back.clip_low is None and back.tis_cap is None and back == plain
     assert from_proto(trainer_pb2.RunConfig()) == plain  # an empty message means every default
 
 
@@ -92,10 +97,12 @@ def test_allowed_values_are_defined_once_and_shared() -> None:
 
 def test_loss_config_carries_every_loss_setting() -> None:
     cfg = RunConfig(loss="dapo", entropy_top_frac=0.2, mask_scope="step", mask_norm="all", clip_low=0.1,
-                    clip_high=0.3, dual_clip_c=3.0, kl_beta=0.05, max_new_tokens=17)
+                    clip_high=0.3, dual_clip_c=3.0, kl_beta=0.05, max_new_tokens=17, tis_cap=2.0)
     assert cfg.loss_config() == losses.LossConfig(
         name="dapo", clip_low=0.1, clip_high=0.3, dual_clip_c=3.0, kl_beta=0.05, max_len=17, mask_norm="all",
-        entropy_top_frac=0.2, mask_scope="step")
+        entropy_top_frac=0.2, mask_scope="step", tis_cap=2.0)
+    with pytest.raises(ValueError, match="tis_cap is not used by loss 'cispo'"):
+        RunConfig(loss="cispo", tis_cap=2.0, max_new_tokens=8).loss_config()
     assert RunConfig(loss="cispo", cispo_max_weight=2.0, max_new_tokens=5).loss_config().cispo_cap == 2.0
     for name in options.LOSS_NAMES:
         assert RunConfig(loss=name, group_size=2, max_new_tokens=8).loss_config().name == name

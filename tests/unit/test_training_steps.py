@@ -97,14 +97,56 @@ def test_score_adds_the_soft_overlong_penalty() -> None:
     answer = problems[0].answer
     # max_new_tokens 8, cache 4: no penalty up to 4 tokens, -(len - 4) / 4 up to 8
     groups = [[_trajectory(answer), _trajectory(answer + " " * (6 - len(answer))), _trajectory("x" * 8)]]
-    rewards = score(exact_match, groups, problems, _cfg(overlong_cache_len=4, group_size=3))
+    correctness, rewards = score(exact_match, groups, problems, _cfg(overlong_cache_len=4, group_size=3))
     assert rewards.tolist() == [[1.0 - max(0, len(answer) - 4) / 4, 1.0 - 2 / 4, 0.0 - 4 / 4]]
+    assert correctness.tolist() == [[1.0, 1.0, 0.0]]  # the grades, before the penalty
+    plain_c, plain_r = score(exact_match, groups, problems, _cfg(group_size=3))
+    assert plain_c.tolist() == plain_r.tolist() == [[1.0, 1.0, 0.0]]
+
+
+class LengthRollouts:
+    """Prompt i, sample j of call c: the right answer iff right[c][i][j], padded with spaces to lengths[c][i][j]
+    tokens (one token per character, as `_trajectory`)."""
+
+    def __init__(self, right, lengths) -> None:
+        self.right, self.lengths, self.calls = right, lengths, 0
+
+    def generate(self, prompts, n, temperature, max_new_tokens, seed):
+        c, self.calls = self.calls, self.calls + 1
+        groups = []
+        for i, prompt in enumerate(prompts):
+            total = sum(int(x) for x in prompt.rstrip("=").split("+"))
+            texts = [str(total if self.right[c][i][j] else total + 1) for j in range(n)]
+            groups.append([_trajectory(t + " " * (self.lengths[c][i][j] - len(t))) for j, t in enumerate(texts)])
+        return groups
+
+
+def test_dynamic_sampling_decides_on_correctness_before_the_overlong_penalty(data: DataOrder) -> None:
+    # The issue's case: prompt 0 is answered right twice, with 10 and 14 tokens; max_new_tokens 16 and an
+    # overlong ramp of 8 make its rewards [1 - 2/8, 1 - 6/8] = [0.75, 0.25]: different rewards, yet every
+    # sample is correct, so the group has no signal on correctness and DAPO drops it. Prompt 1 is mixed.
+    rollouts = LengthRollouts(right=[[[1, 1], [1, 0]]], lengths=[[[10, 14], [3, 3]]])
+    cfg = _cfg(prompts_per_step=2, group_size=2, max_new_tokens=16, overlong_cache_len=8, dynamic_sampling=True,
+               max_gen_batches=1)
+    scored = collect_batch(rollouts, data, exact_match, cfg, step=1)
+    assert (scored.seen_groups, scored.mixed_groups, len(scored.groups)) == (2, 1, 1)
+    assert scored.problems[0].prompt == DataOrder(data.problems, seed=1).take(2)[1].prompt
+    assert scored.correctness.tolist() == [[1.0, 0.0]] and scored.rewards.tolist() == [[1.0, 0.0]]
+    m = scored.metrics()
+    assert m["accuracy"] == 0.5 and m["groups_mixed_frac"] == 0.5
+
+    # without dynamic sampling both groups are trained on; accuracy counts correct answers, not reward > 0
+    long_wrong = LengthRollouts(right=[[[1, 1], [1, 0]]], lengths=[[[10, 16], [3, 3]]])
+    cfg = cfg.model_copy(update={"dynamic_sampling": False})
+    scored = collect_batch(long_wrong, DataOrder(data.problems, seed=1), exact_match, cfg, step=1)
+    assert scored.rewards.tolist() == [[0.75, 0.0], [1.0, 0.0]]  # 16 tokens: 1 - 8/8 = 0, yet correct
+    assert scored.metrics()["accuracy"] == 0.75 and scored.mixed_groups == 1
 
 
 def test_scored_batch_metrics_by_hand() -> None:
     groups = [[_trajectory("12", finish_reason=2, version=3), _trajectory("1234", version=4)]]
-    scored = ScoredBatch(groups, [], torch.tensor([[1.0, 0.0]]), rounds=1, seen_groups=1, mixed_groups=1,
-                         time_generate_s=0.5, time_score_s=0.1)
+    scored = ScoredBatch(groups, [], torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]), rounds=1, seen_groups=1,
+                         mixed_groups=1, time_generate_s=0.5, time_score_s=0.1)
     m = scored.metrics()
     assert m["response_len_mean"] == 3.0 and m["truncated_frac"] == 0.5 and m["rollout_policy_version"] == 3.0
     assert m["reward_std"] == pytest.approx(2 ** -0.5) and scored.response_tokens == 6
