@@ -31,7 +31,7 @@ class RunConfig(BaseModel):
 
     model: str = ""
     """Local HF checkpoint dir of the initial policy (the model the rollout service serves); empty = the embedded
-    tiny model (FORKRL_MODEL_DIR or models/tiny)."""
+    tiny model (FORKRL_MODEL_DIR or the committed forkrl/models/default)."""
     task: str = ""
     """Built-in task (used when no dataset is given); empty = default."""
     dataset: str = ""
