@@ -169,9 +169,10 @@ def evaluate_accuracy(
     batch_size: int = 512,
 ) -> EvalResult:
     """Accuracy of sampled (temperature > 0) or greedy (temperature 0) completions under `reward_fn`
-    (default `exact_match`; a None reward counts as wrong). `max_new_tokens` defaults to the built-in
-    task's limit, or 32 for other problems. Pass a tokenizer with an in-memory model."""
-    from forkrl.data.rewards import exact_match
+    (default: the built-in task's own reward, else `exact_match`; a None reward counts as wrong).
+    `max_new_tokens` defaults to the built-in task's limit, or 32 for other problems. Pass a tokenizer with
+    an in-memory model."""
+    from forkrl.data.rewards import get_reward_fn
     from forkrl.data.tasks import TASKS
 
     if isinstance(model_or_dir, (str, os.PathLike)):
@@ -198,7 +199,10 @@ def evaluate_accuracy(
     )
     flat_completions = [c for cs in completions for c in cs]
     flat_problems = [p for p in problems for _ in range(n_samples)]
-    rewards = [r or 0.0 for r in (reward_fn or exact_match)(flat_completions, flat_problems).rewards]
+    if reward_fn is None:
+        names = {TASKS[t].reward for t in {p.meta.get("task") for p in problems} if t in TASKS}
+        reward_fn = get_reward_fn(names.pop() if len(names) == 1 else "exact_match")
+    rewards = [r or 0.0 for r in reward_fn(flat_completions, flat_problems).rewards]
     per_problem = [
         sum(rewards[i * n_samples : (i + 1) * n_samples]) / n_samples for i in range(len(problems))
     ]

@@ -81,7 +81,7 @@ class ProbeParams(BaseModel):
     split: Split = "train"
     """Which split the prompts come from."""
     reward: str = ""
-    """exact_match or math_verify; empty = the task's default (as in training)."""
+    """exact_match, countdown or math_verify; empty = the task's default (as in training)."""
     num_prompts: int = Field(default=16, ge=1, le=4096)
     """Prompts sampled per checkpoint."""
     group_size: int = Field(default=8, ge=1, le=512)
