@@ -116,10 +116,13 @@ def train_step(
     micro_batch_size: int,
     max_grad_norm: float,
     ref_model: torch.nn.Module | None = None,
+    kept_out: list[Tensor] | None = None,
 ) -> dict[str, float]:
     """Forward/backward over micro-batches with step-global denominators, clip, optimizer step.
 
     advantages: [N] per sequence (same order as the batch). Returns floats for logging.
+    kept_out: when given, receives one bool CPU tensor per sequence, in batch order, over that sequence's
+    completion tokens in order: True where the mask kept the token (for a breakdown by token class).
     """
     n = len(batch)
     if advantages.shape != (n,):
@@ -170,6 +173,8 @@ def train_step(
             sums[k] = sums.get(k, 0.0) + v * w
         with torch.no_grad():
             resp = mb.response_mask
+            if kept_out is not None:  # completion targets are contiguous per row: row r's in order
+                kept_out.extend(token_mask[r][resp[r]].cpu() for r in range(len(mb)))
             all_ent.append(ent[resp])
             kept_ent.append(ent[token_mask])
             delta = (logp.detach() - mb.rollout_logp).abs()
