@@ -7,7 +7,8 @@
 2. starts the three services with the local launcher (the same commands as compose.yaml),
 3. runs `clients/start_run.py --entropy-top-frac 0.2` (progress bar, checkpoints every --save-every steps),
 4. POSTs a probe of two of its checkpoints (`?wait=true`),
-5. prints eval accuracy before → after, reward first → last steps, and grad_norm by entropy bin,
+5. prints eval accuracy before → after, reward first → last steps, what the mask keeps by answer-token class
+   (choice / computed / copied / separator / EOS), and grad_norm by entropy bin,
 6. stops every service (also on Ctrl-C or an error).
 """
 
@@ -57,6 +58,19 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def class_table(train: list[dict]) -> list[str]:
+    """What the mask keeps by answer-token class (mean over the run's steps), when the task labels its tokens."""
+    from forkrl.training.metrics import mean_class_breakdown
+
+    shares = mean_class_breakdown(train)
+    if not shares:
+        return []
+    rows = [["token class", "share of all tokens", "share of kept tokens", "kept rate"]]
+    rows += [[c, f"{v['all']:.3f}", f"{v['kept']:.3f}", "-" if v["rate"] is None else f"{v['rate']:.3f}"]
+             for c, v in shares.items()]
+    return ["", "Kept tokens by class (mean over steps; kept rate = kept / tokens of the class)", _table(rows)]
+
+
 def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
     lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in lines if m["kind"] == "eval"]
@@ -79,6 +93,7 @@ def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
     rows.append(["kept fraction of response tokens", f"{avg(first, 'kept_frac'):.3f}", f"{avg(last, 'kept_frac'):.3f}"])
     rows.append(["mean token entropy (nats)", f"{avg(first, 'entropy_mean'):.3f}", f"{avg(last, 'entropy_mean'):.3f}"])
     out += ["", "Training", _table(rows)]
+    out += class_table(train)
 
     results = summary.get("results", [])
     if results:

@@ -7,6 +7,7 @@
     sink.close()
 
     class_breakdown(labels, kept, classes)   # what the forking-token mask keeps, by answer-token class
+    mean_class_breakdown(train_lines)        # the same averaged over a run's steps (demo, benchmark)
 
 The breakdown (when the task labels its answer tokens, forkrl/data/tasks.py:token_classes), per class c:
 `kept_share_<c>` = kept tokens of class c / all kept tokens, `all_share_<c>` = tokens of class c / all
@@ -67,4 +68,19 @@ def class_breakdown(labels: Sequence[Sequence[str]], kept: Sequence[Sequence[boo
         out[f"all_share_{c}"] = n_all[c] / total_all if total_all else 0.0
         if n_all[c]:
             out[f"kept_rate_{c}"] = n_kept[c] / n_all[c]
+    return out
+
+
+def mean_class_breakdown(lines: Sequence[dict]) -> dict[str, dict[str, float | None]]:
+    """{class: {"all", "kept", "rate"}}: the breakdown's shares averaged over the metrics lines that have them
+    (train steps of metrics.jsonl), the rate over the steps where the class occurred (None: never). {} without a
+    breakdown."""
+    out: dict[str, dict[str, float]] = {}
+    classes = [k.removeprefix("all_share_") for k in (lines[0] if lines else {}) if k.startswith("all_share_")]
+    for c in classes:
+        rows = [m for m in lines if f"all_share_{c}" in m]
+        rates = [m[f"kept_rate_{c}"] for m in rows if f"kept_rate_{c}" in m]
+        out[c] = {"all": sum(m[f"all_share_{c}"] for m in rows) / len(rows),
+                  "kept": sum(m[f"kept_share_{c}"] for m in rows) / len(rows),
+                  "rate": sum(rates) / len(rates) if rates else None}
     return out

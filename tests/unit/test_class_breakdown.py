@@ -103,3 +103,22 @@ def test_no_breakdown_for_a_dataset():
     policy.cfg = policy.cfg.model_copy(update={"task": "", "dataset": "/d.jsonl"})
     m = policy.update(_scored(policy, "sum3", [["9+58=67", "1"]]), policy.cfg.loss_config())
     assert not any(k.startswith(("kept_share_", "all_share_", "kept_rate_")) for k in m)
+
+
+def test_mean_over_steps_and_the_demo_table():
+    from clients.demo import class_table
+    from forkrl.training.metrics import mean_class_breakdown
+
+    classes = ("computed", "eos", "other")
+    steps = [class_breakdown([["computed", "eos"]], [[True, False]], classes),
+             class_breakdown([["computed", "computed", "other", "eos"]], [[True, False, True, False]], classes)]
+    assert steps[0].keys() != steps[1].keys()  # kept_rate_other only where "other" occurred
+    mean = mean_class_breakdown([{"step": 1, **steps[0]}, {"step": 2, **steps[1]}])
+    assert mean["computed"] == {"all": (1 / 2 + 2 / 4) / 2, "kept": (1 + 1 / 2) / 2, "rate": (1 + 1 / 2) / 2}
+    assert mean["other"] == {"all": (0 + 1 / 4) / 2, "kept": (0 + 1 / 2) / 2, "rate": 1.0}
+    assert mean["eos"]["rate"] == 0.0 and mean_class_breakdown([{"step": 1, "kept_frac": 0.2}]) == {}
+    assert mean_class_breakdown([]) == {} and class_table([{"step": 1}]) == []
+    table = class_table([{"step": 1, **steps[0]}])
+    assert "share of kept tokens" in table[2]
+    other = next(line for line in table[2].splitlines() if line.startswith("other"))
+    assert other.split() == ["other", "0.000", "0.000", "-"]  # never occurred: no rate
