@@ -11,7 +11,7 @@
 2. A default probe job (ProbeParams defaults: 16 prompts x 8 samples, 5 bins, 64 positions per cell) on one
    checkpoint: records per second, overall and for the gradient stage alone.
 
-The model is the embedded tiny model (models/tiny or $FORKRL_MODEL_DIR) when built, otherwise a random
+The model is the embedded tiny model (forkrl/models/default or $FORKRL_MODEL_DIR) when present, otherwise a random
 Llama of the same shape (hidden 128, 2 layers, 4 heads, 2 KV heads) with the character tokenizer.
 """
 
@@ -60,7 +60,7 @@ def _model_dir(arg: str | None, tmp: Path) -> tuple[Path, str]:
     out = tmp / "random_tiny"
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    return out, "random Llama (tiny shape; models/tiny not built)"
+    return out, "random Llama (tiny shape; no tiny model found)"
 
 
 def bench_ratio(model_dir: Path, n_positions: int, repeats: int) -> None:

@@ -1,6 +1,6 @@
 """Rollout overhead: the same prompts and seeds through the gRPC service vs vLLM's AsyncLLM in-process.
 
-    python bench/bench_rollout.py                       # models/tiny (or a random Llama), 64 prompts x 8
+    python bench/bench_rollout.py                       # the embedded tiny model (or a random Llama), 64 prompts x 8
     python bench/bench_rollout.py --model DIR --prompts 64 --n 8 --max-new-tokens 32 --rounds 4
 
 Both engines are started with the same settings (RolloutSettings defaults + --threads) and stay up side by
@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF checkpoint dir (default: models/tiny, else a random Llama)")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir (default: the embedded tiny model, else a random Llama)")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -39,7 +40,9 @@ def parse() -> argparse.Namespace:
 def model_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
-    tiny = ROOT / "models" / "tiny"
+    from forkrl.models.tiny import default_model_dir
+
+    tiny = default_model_dir()
     if (tiny / "model.safetensors").exists():
         return tiny
     from tests.service_fixtures import build_random_llama

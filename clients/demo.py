@@ -3,11 +3,12 @@
     python clients/demo.py                  # what `bash scripts/demo.sh` runs after setting up the venv
     python clients/demo.py --num-steps 60 --entropy-top-frac 0.2
 
-1. builds the embedded tiny model (cached),
+1. copies the embedded tiny model (committed in forkrl/models/default, or $FORKRL_MODEL_DIR) into the data dir,
 2. starts the three services with the local launcher (the same commands as compose.yaml),
 3. runs `clients/start_run.py --entropy-top-frac 0.2` (progress bar, checkpoints every --save-every steps),
 4. POSTs a probe of two of its checkpoints (`?wait=true`),
-5. prints eval accuracy before → after, reward first → last steps, and grad_norm by entropy bin,
+5. prints eval accuracy before → after, reward first → last steps, what the mask keeps by answer-token class
+   (choice / computed / copied / separator / EOS), and grad_norm by entropy bin,
 6. stops every service (also on Ctrl-C or an error).
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -58,6 +58,19 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def class_table(train: list[dict]) -> list[str]:
+    """What the mask keeps by answer-token class (mean over the run's steps), when the task labels its tokens."""
+    from forkrl.training.metrics import mean_class_breakdown
+
+    shares = mean_class_breakdown(train)
+    if not shares:
+        return []
+    rows = [["token class", "share of all tokens", "share of kept tokens", "kept rate"]]
+    rows += [[c, f"{v['all']:.3f}", f"{v['kept']:.3f}", "-" if v["rate"] is None else f"{v['rate']:.3f}"]
+             for c, v in shares.items()]
+    return ["", "Kept tokens by class (mean over steps; kept rate = kept / tokens of the class)", _table(rows)]
+
+
 def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
     lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in lines if m["kind"] == "eval"]
@@ -80,6 +93,7 @@ def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
     rows.append(["kept fraction of response tokens", f"{avg(first, 'kept_frac'):.3f}", f"{avg(last, 'kept_frac'):.3f}"])
     rows.append(["mean token entropy (nats)", f"{avg(first, 'entropy_mean'):.3f}", f"{avg(last, 'entropy_mean'):.3f}"])
     out += ["", "Training", _table(rows)]
+    out += class_table(train)
 
     results = summary.get("results", [])
     if results:
@@ -111,16 +125,20 @@ def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from clients.stack import Stack
-    from forkrl.models.tiny import build_tiny_model, default_model_dir
+    from forkrl.models.embedded import COMMITTED_DIR, install_default
+    from forkrl.models.tiny import build_tiny_model, default_model_dir, read_build_record
 
     data = args.data_dir.resolve()
     t0 = time.monotonic()
     shared = default_model_dir()
-    print(f"[demo] building the embedded tiny model into {shared} (cached: the tests use the same one)", flush=True)
-    build_tiny_model(shared)
-    model_dir = data / "models" / "tiny"  # where the stack's one-shot `model` service looks (compose.yaml)
-    if not model_dir.exists():  # a copy (2 MB), not a symlink: the probe only reads inside its allowed root
-        shutil.copytree(shared, model_dir)
+    # where the stack's one-shot `model` service installs it (compose.yaml); a copy (2 MB), not a symlink: the
+    # probe only reads inside its allowed root
+    model_dir = data / "models" / "tiny"
+    if shared.resolve() != COMMITTED_DIR and read_build_record(shared) is None:
+        print(f"[demo] building the tiny model into FORKRL_MODEL_DIR={shared}", flush=True)
+        build_tiny_model(shared)
+    print(f"[demo] the embedded tiny model: {shared} -> {model_dir}", flush=True)
+    install_default(model_dir, shared)  # what the stack's `model` service does too (then at once)
     run_dir = data / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")
     save_every = max(1, args.num_steps // 2)
     print(f"[demo] starting rollout, trainer and probe (their logs: {data / 'logs'}/<service>.log)", flush=True)

@@ -1,6 +1,6 @@
 """Serve a model for RL rollouts: vLLM's async engine behind gRPC (forkrl.rollout.v1.RolloutService).
 
-    python -m rollout_service --model models/tiny --port 50051
+    python -m rollout_service --model forkrl/models/default --port 50051
     python -m rollout_service --help          # every flag; each also reads ROLLOUT_<FLAG>
 
 The CLI is parsed before torch/vLLM are imported, so --help and bad flags answer at once.

@@ -1,7 +1,7 @@
 """Settings of the rollout service: CLI flags (kebab-case, 1:1 with the fields) or `ROLLOUT_*` variables.
 
-    python -m rollout_service --model models/tiny --port 50051 --kv-cache-gib 1
-    ROLLOUT_MODEL=models/tiny ROLLOUT_DTYPE=bfloat16 python -m rollout_service
+    python -m rollout_service --model forkrl/models/default --port 50051 --kv-cache-gib 1
+    ROLLOUT_MODEL=forkrl/models/default ROLLOUT_DTYPE=bfloat16 python -m rollout_service
 
 Imports nothing heavy: `--help` must stay instant.
 """

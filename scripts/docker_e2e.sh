@@ -154,7 +154,7 @@ while :; do
 done
 log "healthy:$states"
 mcid=$(compose ps -q model)
-log "of which the one-shot model service (tiny model build into the fresh volume) ran $(docker inspect -f \
+log "of which the one-shot model service (copies the committed tiny model into the fresh volume) ran $(docker inspect -f \
   '{{.State.StartedAt}} {{.State.FinishedAt}}' "$mcid" | python3 -c 'import sys, datetime as d
 a, b = (d.datetime.fromisoformat(t[:26].rstrip("Z")) for t in sys.stdin.read().split())
 print(f"{(b - a).total_seconds():.1f} s")')"

@@ -1,4 +1,5 @@
-"""Shared fixtures. `tiny_model_dir` builds the default tiny model once (cached on disk across runs).
+"""Shared fixtures. `tiny_model_dir` is the embedded default: the committed forkrl/models/default (the same
+bytes on every machine), or $FORKRL_MODEL_DIR, built there once when it holds no build yet (cached on disk).
 
 Markers (registered in pyproject.toml): slow, docker, isolated.
 """

@@ -15,7 +15,9 @@ The interface, which your own reward must follow to be used with `--reward my_pk
 
 Built in:
 - `exact_match`: 1.0 when `tasks.extract_answer(completion)` equals the gold answer string, else 0.0. For
-  the built-in tasks.
+  the built-in tasks `sum3` and `add2`.
+- `countdown`: 1.0 for any valid solution of a countdown problem (forkrl/data/countdown.py: each step's
+  arithmetic right, each number used at most once, the target reached), else 0.0.
 - `math_verify_reward`: the last `\\boxed{...}` of the completion (braces matched), checked against the
   gold answer with math-verify, gold first (`verify` is not symmetric). Gold without `$` or `\\boxed`
   is read as inline math ("1+x" as "$1+x$"); gold that math-verify cannot parse gives None. Grading
@@ -23,7 +25,7 @@ Built in:
   sympy can hang. An item past `timeout_s` scores 0 and is counted; the pool is then replaced, so a
   hung worker never blocks training.
 
-`get_reward_fn("exact_match" | "math_verify" | "module:function")` resolves a name.
+`get_reward_fn("exact_match" | "countdown" | "math_verify" | "module:function")` resolves a name.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from forkrl.data.countdown import countdown_reward
 from forkrl.data.tasks import Problem, extract_answer
 
 DEFAULT_TIMEOUT_S = 15.0  # math-verify's own alarms are 5 s for parsing and 5 s for verifying
@@ -271,11 +274,15 @@ def math_verify_reward(
     return _grader().grade(completions, [p.answer for p in problems], timeout_s=timeout_s)
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math_verify": math_verify_reward}
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "countdown": countdown_reward,
+    "math_verify": math_verify_reward,
+}
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """`exact_match`, `math_verify`, or `package.module:function` for your own reward."""
+    """`exact_match`, `countdown`, `math_verify`, or `package.module:function` for your own reward."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
     if ":" not in name:

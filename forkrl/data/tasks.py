@@ -12,6 +12,13 @@ entropy mask almost nothing to choose from (tiny-rl-notes.md). Each operand has 
 equal chance, so problems range from "1+2+3=" to ones with a carry in both additions: groups of samples
 come out all right, all wrong and mixed.
 
+`countdown` (forkrl/data/countdown.py, `--task countdown`) is a task with real forks: reach a target from
+three numbers, writing each step (`3 7 4->25:` → `7*3=21,21+4=25`); which numbers and operator to use are
+decisions, the results follow from them. Its reward is `countdown` (any valid solution scores).
+
+Every task labels its answer tokens (`token_classes`: choice, computed, copied, separator, eos, other) so
+that training can show which classes the forking-token mask keeps (forkrl/training/metrics.py).
+
 Splits are disjoint by construction: a problem belongs to `eval` when a hash of its prompt falls in a
 fixed 10% bucket, to `train` otherwise, whatever the seed. Generation is deterministic for a given
 (task, split, n, seed); problems are drawn i.i.d., so a prompt may repeat within a split.
@@ -26,32 +33,21 @@ import hashlib
 import itertools
 import random
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+
+from forkrl.data import countdown
+from forkrl.data.problem import TOKEN_CLASSES, Problem, TaskSpec
+
+__all__ = [
+    "DEFAULT_TASK", "SPLITS", "TASKS", "TOKEN_CLASSES", "Problem", "TaskSpec", "extract_answer", "get_task",
+    "iter_problems", "make_split", "split_of", "token_classes",
+]
 
 DEFAULT_TASK = "sum3"
 SPLITS = ("train", "eval")
 EVAL_BUCKETS = 10  # one bucket in ten is the eval split
 
 _ANSWER_RE = re.compile(r"-?\d+")
-
-
-@dataclass
-class Problem:
-    """One prompt and its gold answer. `meta` holds task-specific extras; built-in tasks put the reference
-    completion (used for the supervised warm start) under "completion"."""
-
-    prompt: str
-    answer: str
-    meta: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    name: str
-    description: str
-    max_new_tokens: int  # enough for the longest reference completion plus EOS
-    sample: Callable[[random.Random], Problem]
 
 
 def _operand(rng: random.Random) -> int:
@@ -92,19 +88,52 @@ def _sample_add2(rng: random.Random) -> Problem:
     )
 
 
+def _label_parts(text: str, parts: Sequence[tuple[str, str]]) -> list[str]:
+    """Classes of the characters of `text` read as numbers separated by the given characters in order:
+    parts[i] = (class of the digits of number i, the separator after it, "" for the last). From the first
+    character that breaks that format on, "other"."""
+    labels: list[str] = []
+    part, digits = 0, 0
+    for i, ch in enumerate(text):
+        digit_class, sep = parts[part]
+        if ch.isdigit():
+            labels.append(digit_class)
+            digits += 1
+        elif digits and sep and ch == sep:
+            labels.append("separator")
+            part, digits = part + 1, 0
+        else:
+            return labels + ["other"] * (len(text) - i)
+    return labels
+
+
+def _label_sum3(problem: Problem, text: str) -> list[str]:
+    """"132+6=138": partial and final sum digits "computed", the repeated operand "copied", "+" "=" separators."""
+    return _label_parts(text, (("computed", "+"), ("copied", "="), ("computed", "")))
+
+
+def _label_add2(problem: Problem, text: str) -> list[str]:
+    return _label_parts(text, (("computed", ""),))
+
+
 TASKS: dict[str, TaskSpec] = {
     "sum3": TaskSpec(
         name="sum3",
         description="three 1-2 digit numbers summed with the partial result written out: 47+85+6=132+6=138",
         max_new_tokens=11,  # "198+99=297" + EOS
         sample=_sample_sum3,
+        label_chars=_label_sum3,
+        classes=("computed", "copied", "separator", "eos", "other"),
     ),
     "add2": TaskSpec(
         name="add2",
         description="two-digit addition, answer only: 47+85=132",
         max_new_tokens=4,  # "198" + EOS
         sample=_sample_add2,
+        label_chars=_label_add2,
+        classes=("computed", "eos", "other"),
     ),
+    "countdown": countdown.SPEC,
 }
 
 
@@ -147,3 +176,25 @@ def extract_answer(text: str) -> str | None:
     no "="), surrounding whitespace ignored. Anything else, including an empty answer, gives None."""
     tail = text.rsplit("=", 1)[-1].strip()
     return tail if _ANSWER_RE.fullmatch(tail) else None
+
+
+def token_classes(problem: Problem, token_texts: Sequence[str | None]) -> list[str] | None:
+    """The class (TOKEN_CLASSES) of each completion token of a built-in task's problem, None for any other
+    problem (a dataset's). `token_texts[i]` is token i's decoded text, None for the end-of-sequence token
+    (class "eos"). Blanks are left out before labelling (a tokenizer's leading spaces change no role); a token
+    takes the class of its first non-blank character (one character per token for the tiny model's
+    tokenizer); a blank token is "other"."""
+    spec = TASKS.get(problem.meta.get("task", ""))
+    if spec is None or spec.label_chars is None:
+        return None
+    text = "".join(ch for t in token_texts if t is not None for ch in t if not ch.isspace())
+    chars = spec.label_chars(problem, text)
+    out, pos = [], 0
+    for t in token_texts:
+        if t is None:
+            out.append("eos")
+            continue
+        n = sum(not ch.isspace() for ch in t)
+        out.append(chars[pos] if n else "other")
+        pos += n
+    return out

@@ -1,6 +1,11 @@
 """Build the embedded default model: a tiny Llama with a character tokenizer, warm-started on `sum3`.
 
-    python -m forkrl.models.tiny build --out models/tiny [--seed 0] [--force]
+    python -m forkrl.models.tiny build --out DIR [--seed 0] [--force]
+    python -m forkrl.models.tiny install --out DIR     # copy the committed default (no training)
+
+The default everywhere is the committed build in forkrl/models/default (forkrl/models/embedded.py): the same
+bytes on every machine. `build` regenerates a model; `--out forkrl/models/default --force` re-blesses the
+committed one (then update README.md's sha256 and numbers).
 
 The result is a plain HF directory (config, model.safetensors, tokenizer, generation_config) that
 `AutoModelForCausalLM`, `AutoTokenizer` and `vllm.LLM(model=DIR)` load unchanged. Supervised training
@@ -9,9 +14,12 @@ stops at the first evaluation whose sampled (T = 1) accuracy on the eval split r
 plateau, and RL from the plateau barely moves (tiny-rl-notes.md). Stopping low leaves RL room to improve.
 
 The build runs on a fixed number of threads with deterministic algorithms, so the same seed gives the
-same model.safetensors bytes. `forkrl_build.json` records the config, its hash, the measured accuracy,
-the time and the sha256; a directory holding a build with the same config hash is reused at once. The
-build is written to a temporary directory beside `--out` and renamed into place, under a file lock.
+same model.safetensors bytes on one machine; CPU float kernels differ between machines, so another
+machine stops SFT at another step and writes other bytes (hence the committed default).
+`forkrl_build.json` records the config, its hash, the measured accuracy, the time and the sha256; a
+directory holding a build with the same config hash is reused at once. The build also writes SHA256SUMS
+(every file's sha256). It is written to a temporary directory beside `--out` and renamed into place,
+under a file lock.
 """
 
 from __future__ import annotations
@@ -31,8 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forkrl.files import atomic_dir, sha256_file
+from forkrl.models.embedded import COMMITTED_DIR, install_default, manifest_problems, write_manifest
 from forkrl.models.sampling import sample_completions
-from forkrl.runtime import REPO_ROOT
 
 if TYPE_CHECKING:  # heavy imports stay out of `--help`
     import torch
@@ -86,9 +94,9 @@ class BuildConfig:
 
 
 def default_model_dir() -> Path:
-    """$FORKRL_MODEL_DIR, or <repo>/models/tiny."""
+    """$FORKRL_MODEL_DIR, or the committed default (forkrl/models/default)."""
     env = os.environ.get(MODEL_DIR_ENV)
-    return Path(env) if env else REPO_ROOT / "models" / "tiny"
+    return Path(env) if env else COMMITTED_DIR
 
 
 def build_tokenizer(model_max_length: int = 256) -> PreTrainedTokenizerBase:
@@ -161,9 +169,10 @@ def evaluate_accuracy(
     batch_size: int = 512,
 ) -> EvalResult:
     """Accuracy of sampled (temperature > 0) or greedy (temperature 0) completions under `reward_fn`
-    (default `exact_match`; a None reward counts as wrong). `max_new_tokens` defaults to the built-in
-    task's limit, or 32 for other problems. Pass a tokenizer with an in-memory model."""
-    from forkrl.data.rewards import exact_match
+    (default: the built-in task's own reward, else `exact_match`; a None reward counts as wrong).
+    `max_new_tokens` defaults to the built-in task's limit, or 32 for other problems. Pass a tokenizer with
+    an in-memory model."""
+    from forkrl.data.rewards import get_reward_fn
     from forkrl.data.tasks import TASKS
 
     if isinstance(model_or_dir, (str, os.PathLike)):
@@ -190,7 +199,10 @@ def evaluate_accuracy(
     )
     flat_completions = [c for cs in completions for c in cs]
     flat_problems = [p for p in problems for _ in range(n_samples)]
-    rewards = [r or 0.0 for r in (reward_fn or exact_match)(flat_completions, flat_problems).rewards]
+    if reward_fn is None:
+        names = {TASKS[t].reward for t in {p.meta.get("task") for p in problems} if t in TASKS}
+        reward_fn = get_reward_fn(names.pop() if len(names) == 1 else "exact_match")
+    rewards = [r or 0.0 for r in reward_fn(flat_completions, flat_problems).rewards]
     per_problem = [
         sum(rewards[i * n_samples : (i + 1) * n_samples]) / n_samples for i in range(len(problems))
     ]
@@ -359,6 +371,10 @@ def build_tiny_model(
 
     if cached():  # no lock needed to read a finished build: builds appear by rename
         return out_dir
+    if out_dir == COMMITTED_DIR and not force:
+        # the committed default changes only on purpose (re-blessing), never as a side effect of a cache miss
+        raise ValueError(f"{out_dir} is the committed default and was built with another builder config; "
+                         "re-bless it with `python -m forkrl.models.tiny build --out forkrl/models/default --force`")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / BUILD_RECORD).is_file():
         # e.g. FORKRL_MODEL_DIR pointing at a real checkpoint: never replace what we did not build
         raise ValueError(
@@ -386,6 +402,7 @@ def build_tiny_model(
                 "sha256": sha256_file(tmp / MODEL_FILE),
             }
             (tmp / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+            write_manifest(tmp)
             for path in tmp.iterdir():
                 path.chmod(0o644)  # the build is meant to be shared (services, docker)
     return out_dir
@@ -394,21 +411,28 @@ def build_tiny_model(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m forkrl.models.tiny", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="build (or reuse) the tiny model")
-    build.add_argument(
-        "--out", type=Path, default=None, help=f"output dir (default ${MODEL_DIR_ENV} or models/tiny)"
-    )
+    build = sub.add_parser("build", help="build (or reuse) the tiny model; the result differs between machines")
+    build.add_argument("--out", type=Path, required=True,
+                       help="output dir (forkrl/models/default with --force re-blesses the committed default)")
     build.add_argument("--seed", type=int, default=0, help="seed for init, data order and sampling")
     build.add_argument("--force", action="store_true", help="rebuild even if --out holds the same build")
+    install = sub.add_parser("install", help=f"copy the committed default (the same bytes everywhere; ${MODEL_DIR_ENV} "
+                             "instead when set) into --out")
+    install.add_argument("--out", type=Path, required=True, help="output dir (reused when it holds the same files)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
-    out = build_tiny_model(args.out or default_model_dir(), seed=args.seed, force=args.force)
+    if args.command == "install":
+        out = install_default(args.out, default_model_dir())
+    else:
+        out = build_tiny_model(args.out, seed=args.seed, force=args.force)
     record = read_build_record(out)
     assert record is not None
     acc = record["accuracy"]
+    problems = manifest_problems(out)
     print(
         f"{out}: {record['params']} params, {record['sft_steps']} SFT steps, accuracy T=1 {acc['t1']:.3f} "
-        f"greedy {acc['greedy']:.3f} (n={acc['final_eval_problems']}), built in {record['build_time_s']} s"
+        f"greedy {acc['greedy']:.3f} (n={acc['final_eval_problems']}), built in {record['build_time_s']} s, "
+        f"model.safetensors sha256 {record['sha256']}" + (f" (manifest: {'; '.join(problems)})" if problems else "")
     )
     return 0
 

@@ -93,7 +93,7 @@ def plan_probe(params: ProbeParams, confine: Confine = real_path) -> ProbePlan:
         raise ProbeInputError(f"dataset {dataset} is not a file")
     try:
         max_new = params.max_new_tokens or (tasks.get_task(task).max_new_tokens if task else DATASET_MAX_NEW_TOKENS)
-        reward = resolve_reward_name(params.reward, dataset)
+        reward = resolve_reward_name(params.reward, dataset, task)
         get_reward_fn(reward)
     except ValueError as exc:  # unknown task or reward: the message names the known ones
         raise ProbeInputError(str(exc)) from exc

@@ -102,7 +102,7 @@ class ProbeParams(BaseModel):
     split: Split = "train"
     """Which split the prompts come from."""
     reward: str = ""
-    """exact_match or math_verify; empty = the task's default (as in training)."""
+    """exact_match, countdown or math_verify; empty = the task's default (as in training)."""
     num_prompts: int = Field(default=24, ge=1, le=4096)
     """Prompts sampled per checkpoint."""
     num_samples: int = Field(default=2, ge=1, le=512, validation_alias=_alias("num_samples", "group_size"))

@@ -99,9 +99,12 @@ def sample_trajectories(
     ]
 
 
-def resolve_reward_name(reward: str, dataset: str) -> str:
-    """The training convention: empty = exact_match for a built-in task, math_verify for a dataset."""
-    return reward or ("math_verify" if dataset else "exact_match")
+def resolve_reward_name(reward: str, dataset: str, task: str = "") -> str:
+    """The training convention: empty = the built-in task's own reward (exact_match for sum3/add2, countdown
+    for countdown), math_verify for a dataset."""
+    from forkrl.data.tasks import DEFAULT_TASK, get_task
+
+    return reward or ("math_verify" if dataset else get_task(task or DEFAULT_TASK).reward)
 
 
 def grade(trajs: Sequence[Trajectory], tokenizer, problems: Sequence, reward: str = "", dataset: str = "") -> None:

@@ -164,6 +164,7 @@ def dp_train_step(
     ref_model: torch.nn.Module | None = None,
     mini_batch_size: int | None = None,
     epochs: int = 1,
+    kept_out: list[Tensor] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
     """`train_step` over the ranks of `group` (the default group); see the module docstring.
@@ -173,10 +174,11 @@ def dp_train_step(
     if world == 1:
         return train_step(model, optimizer, batch, advantages, loss_cfg, temperature=temperature,
                           micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, ref_model=ref_model,
-                          mini_batch_size=mini_batch_size, epochs=epochs)
+                          mini_batch_size=mini_batch_size, epochs=epochs, kept_out=kept_out)
     if (mini_batch_size is not None and mini_batch_size < len(batch)) or epochs != 1:
         raise ValueError("several updates per rollout batch (mini_batch_prompts, ppo_epochs) are not built across "
                          f"ranks yet; run them with one rank (world size {world})")
+    # kept_out (the kept-token breakdown by class) stays empty across ranks: not built there yet
     n = len(batch)
     if advantages.shape != (n,):
         raise ValueError(f"advantages must have shape ({n},) (one per sequence), got {tuple(advantages.shape)}")

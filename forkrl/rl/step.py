@@ -240,12 +240,16 @@ def train_step(
     ref_model: torch.nn.Module | None = None,
     mini_batch_size: int | None = None,
     epochs: int = 1,
+    kept_out: list[Tensor] | None = None,
 ) -> dict[str, float]:
     """The optimizer updates of one rollout batch; returns floats for logging (module docstring).
 
     advantages: [N] per sequence (same order as the batch). mini_batch_size: sequences per update (None or
     >= N: one update on the whole batch); pass a multiple of the group size to keep groups whole.
     epochs: passes over the batch.
+    kept_out: when given, receives one bool CPU tensor per sequence, in batch order, over that sequence's
+    completion tokens in order: True where the mask of the last update kept the token (for a breakdown by
+    token class).
     """
     n = len(batch)
     if advantages.shape != (n,):
@@ -276,6 +280,11 @@ def train_step(
             _update(model, optimizer, k, bounds, mbs, None if old is None else old[k], advantages, loss_cfg,
                     temperature, max_grad_norm, ref_model, acc)
     kl_kept, kl_all = _approx_kl(model, micros, acc, temperature)
+    if kept_out is not None:  # completion targets are contiguous per row: row r's in order
+        for k, mbs in enumerate(micros):
+            for j, mb in enumerate(mbs):
+                token_mask, resp = acc.kept[(k, j)], mb.response_mask
+                kept_out.extend(token_mask[r][resp[r]].cpu() for r in range(len(mb)))
 
     sums = acc.sums
     n_resp, n_kept = sums["response_tokens"], max(sums["kept_tokens"], 1.0)

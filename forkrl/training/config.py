@@ -31,14 +31,14 @@ class RunConfig(BaseModel):
 
     model: str = ""
     """Local HF checkpoint dir of the initial policy (the model the rollout service serves); empty = the embedded
-    tiny model (FORKRL_MODEL_DIR or models/tiny)."""
+    tiny model (FORKRL_MODEL_DIR or the committed forkrl/models/default)."""
     task: str = ""
     """Built-in task (used when no dataset is given); empty = default."""
     dataset: str = ""
     """JSONL dataset of prompts and answers; overrides --task. The client defaults it to $RL_DATASET_PATH."""
     reward: str = ""
-    """Reward function: exact_match, math_verify or module:function; empty = the task's default (exact_match for
-    the built-in task, math_verify for a dataset)."""
+    """Reward function: exact_match, countdown, math_verify or module:function; empty = the task's default
+    (exact_match for sum3/add2, countdown for countdown, math_verify for a dataset)."""
     loss: LossName = "grpo"
     """Policy loss (advantage, per-token term, aggregation and default clip of each: forkrl/rl/losses.py)."""
     entropy_top_frac: float | None = None

@@ -3,7 +3,8 @@ update of one step (advantages → batch → masked loss over micro-batches → 
 
     policy = load_policy(cfg, run_dir, device="auto")   # from cfg.model, or the latest checkpoint on resume
     policy.set_lr(step)
-    metrics = policy.update(scored, cfg.loss_config())   # one optimizer step on a ScoredBatch
+    metrics = policy.update(scored, cfg.loss_config())   # one optimizer step on a ScoredBatch (+ kept-token
+                                                          # shares by answer-token class on a built-in task)
     policy.save(run_dir, "step_000010", {"step": 10, ...})
 
 Determinism: torch is seeded with run_seed("torch", seed) before the model is loaded, and a resume restores
@@ -12,18 +13,20 @@ the optimizer state, so a resumed run ends with the same weights as an uninterru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from forkrl.data.tasks import TASKS, token_classes
 from forkrl.rl.advantages import compute_advantages
 from forkrl.rl.dp import dp_train_step
 from forkrl.rl.losses import LossConfig
 from forkrl.rl.step import build_batch
 from forkrl.seeds import run_seed
 from forkrl.training.config import RunConfig
+from forkrl.training.metrics import class_breakdown
 from forkrl.training.scoring import ScoredBatch
 from forkrl.weights.checkpoint import latest_checkpoint, load_optimizer_state, read_state, save_checkpoint
 
@@ -46,6 +49,7 @@ class Policy:
     start_step: int  # 0, or the step of the checkpoint resumed from
     data_cursor: int  # prompts already drawn (DataOrder cursor) at start_step
     resumed: bool
+    token_texts: dict[int, str | None] = field(default_factory=dict)  # token id -> decoded text (None: EOS)
 
     @property
     def pad_id(self) -> int:
@@ -62,18 +66,36 @@ class Policy:
 
     def update(self, scored: ScoredBatch, loss_cfg: LossConfig) -> dict[str, float]:
         """The optimizer updates of one step on the scored groups (one per mini-batch of cfg.mini_batch_prompts
-        groups, cfg.ppo_epochs passes); returns the step's loss/mask/entropy/ratio metrics."""
+        groups, cfg.ppo_epochs passes); returns the step's loss/mask/entropy/ratio metrics, and on a built-in
+        task the kept and all-token shares per answer-token class (forkrl/training/metrics.py)."""
         cfg = self.cfg
         adv = compute_advantages(cfg.loss, scored.rewards).reshape(-1)
         flat = scored.trajectories
         batch = build_batch([list(t.prompt_token_ids) for t in flat], [list(t.completion_token_ids) for t in flat],
                             [list(t.logprobs) for t in flat], self.pad_id)
+        spec = TASKS.get(cfg.task) if cfg.task and not cfg.dataset else None
+        kept: list[torch.Tensor] | None = [] if spec is not None and spec.classes else None
         mini = cfg.mini_batch_prompts * len(scored.groups[0]) if cfg.mini_batch_prompts else None
         # one process (today's trainer): dp_train_step is train_step itself; under torch.distributed every
         # rank passes the whole batch and trains its share (forkrl/rl/dp.py, docs/scaling.md)
-        return dp_train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
-                             micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                             ref_model=self.ref_model, mini_batch_size=mini, epochs=cfg.ppo_epochs)
+        metrics = dp_train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
+                                micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                                ref_model=self.ref_model, mini_batch_size=mini, epochs=cfg.ppo_epochs,
+                                kept_out=kept)
+        if spec is not None and kept is not None and len(kept) == len(flat):
+            problems = [p for p, g in zip(scored.problems, scored.groups, strict=True) for _ in g]
+            labels = [token_classes(p, [self.token_text(i) for i in t.completion_token_ids])
+                      for p, t in zip(problems, flat, strict=True)]
+            if all(seq is not None for seq in labels):
+                metrics.update(class_breakdown(labels, [k.tolist() for k in kept], spec.classes))
+        return metrics
+
+    def token_text(self, token_id: int) -> str | None:
+        """The decoded text of one token (cached), None for the EOS token."""
+        if token_id not in self.token_texts:
+            eos = token_id == self.tokenizer.eos_token_id
+            self.token_texts[token_id] = None if eos else self.tokenizer.decode([token_id])
+        return self.token_texts[token_id]
 
     def save(self, run_dir: Path, name: str, state: dict[str, Any]) -> Path:
         return save_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state)

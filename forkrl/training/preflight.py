@@ -30,7 +30,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     if not cfg.dataset and not cfg.task:
         updates["task"] = DEFAULT_TASK
     if not cfg.reward:
-        updates["reward"] = "math_verify" if cfg.dataset else "exact_match"
+        updates["reward"] = "math_verify" if cfg.dataset else get_task(cfg.task or DEFAULT_TASK).reward
     if cfg.max_new_tokens == 0:
         updates["max_new_tokens"] = (get_task(cfg.task or DEFAULT_TASK).max_new_tokens if not cfg.dataset
                                      else DATASET_MAX_NEW_TOKENS)

@@ -272,11 +272,14 @@ def test_incomplete_directory_is_not_a_cache_hit(tmp_path):
     assert read_build_record(tmp_path) is None
 
 
-def test_default_model_dir(monkeypatch, tmp_path):
+def test_the_committed_default_is_never_rebuilt_as_a_side_effect(monkeypatch):
+    import forkrl.models.tiny as tiny
+
     monkeypatch.delenv("FORKRL_MODEL_DIR", raising=False)
-    assert default_model_dir() == REPO / "models" / "tiny"
-    monkeypatch.setenv("FORKRL_MODEL_DIR", str(tmp_path / "m"))
-    assert default_model_dir() == tmp_path / "m"
+    assert build_tiny_model(default_model_dir(), progress=False) == default_model_dir()  # the cached build
+    monkeypatch.setattr(tiny, "_train", None)  # a cache miss must fail before any training
+    with pytest.raises(ValueError, match="committed default"):
+        build_tiny_model(default_model_dir(), config=SHORT, progress=False)
 
 
 def test_cli_help_does_not_import_torch():

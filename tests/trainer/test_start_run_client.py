@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+from forkrl.data.tasks import DEFAULT_TASK, TASKS
 from forkrl.weights.checkpoint import latest_checkpoint, read_state
 from forkrl.wire.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from forkrl.wire.trainer.v1 import trainer_pb2
@@ -72,6 +73,10 @@ def test_three_step_run_through_the_client(rollout_address, trainer, tiny_model_
         assert m["logp_delta_max"] <= logp_ceiling  # the rollout engine served exactly the trainer's policy
         for key in ("reward_mean", "accuracy", "grad_norm", "time_generate_s", "time_push_s", "mask_threshold"):
             assert math.isfinite(m[key]), key
+        # what the mask kept by answer-token class: the shares are counts of the kept (and of all) tokens
+        for which, total in (("kept", m["kept_tokens"]), ("all", n)):
+            counts = [m[f"{which}_share_{c}"] * total for c in TASKS[DEFAULT_TASK].classes]
+            assert all(abs(x - round(x)) < 1e-6 for x in counts) and sum(map(round, counts)) == total, which
     assert [e["step"] for e in metric_lines(run_dir, "eval")] == [0, 3]
     # one push per step, plus the initial sync when the service no longer served the start checkpoint
     assert _rollout_version(rollout_address) == v0 + 3 + (v0 != 0)

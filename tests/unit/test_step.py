@@ -111,3 +111,28 @@ def test_microbatch_mask_keeps_exact_k_per_micro_batch() -> None:
     assert m["response_tokens"] == sum(counts)
     assert 0 < m["kept_frac"] < 0.5
     assert m["logp_delta_mean"] > 0  # the fake rollout logprobs (-1) differ from the model's
+
+
+@pytest.mark.parametrize("scope", ["microbatch", "step"])
+def test_kept_out_reports_each_sequences_kept_completion_tokens(scope: str) -> None:
+    model = _model()
+    prompts, comps, lps = _trajectories(8, seed=4)
+    batch = build_batch(prompts, comps, lps, pad_id=0)
+    kept: list[torch.Tensor] = []
+    cfg = LossConfig(name="grpo", entropy_top_frac=0.2, mask_scope=scope)
+    opt = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.0)
+    m = train_step(model, opt, batch, torch.ones(8), cfg, temperature=1.0, micro_batch_size=3, max_grad_norm=1.0,
+                   kept_out=kept)
+    assert [len(k) for k in kept] == [len(c) for c in comps]  # one flag per completion token, in batch order
+    assert all(k.dtype == torch.bool for k in kept)
+    assert sum(int(k.sum()) for k in kept) == m["kept_tokens"]
+    # the flags are the kept tokens of the highest entropy: recompute them per micro-batch (3, 3, 2 rows)
+    with torch.no_grad():
+        ents = [_forward(model, batch.slice(s, min(s + 3, 8)), 1.0, True)[1] for s in (0, 3, 6)]
+    resp = [batch.slice(s, min(s + 3, 8)).response_mask for s in (0, 3, 6)]
+    from forkrl.rl.mask import forking_token_mask, masks_for_step
+
+    masks = masks_for_step(ents, resp, 0.2, "step") if scope == "step" else \
+        [forking_token_mask(e, r, 0.2) for e, r in zip(ents, resp, strict=True)]
+    want = [mk.mask[i][r[i]] for mk, r in zip(masks, resp, strict=True) for i in range(len(r))]
+    assert all(torch.equal(a, b) for a, b in zip(kept, want, strict=True))
