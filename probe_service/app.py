@@ -12,7 +12,9 @@ GET    /probe/{id}/records         token_probe_records.jsonl (?format=json for a
 GET    /probe/{id}/manifest        manifest.json
 GET    /probe/{id}/plot.png        ?checkpoint=<label>
 DELETE /probe/{id}                 cancel (409 once finished)
-GET    /healthz, /metrics
+GET    /metrics                    Prometheus text
+GET    /healthz                    open; every other route needs `authorization: Bearer <token>` when the
+                                   service has a token (401 otherwise; forkrl/security.py)
 """
 
 from __future__ import annotations
@@ -21,17 +23,22 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from forkrl.probe.params import ProbeParams
+from forkrl.security import check_authorization
 from probe_service.admission import RequestError, admit
 from probe_service.config import ProbeSettings
 from probe_service.jobs import Job, JobFinished, JobManager, JobNotFound, QueueFull
 from probe_service.schemas import JobCreated, JobList, JobStatus
+
+# Declares the scheme in the OpenAPI schema; the check itself is `require_token` in create_app.
+_BEARER = HTTPBearer(auto_error=False, description="The services' token (FORKRL_TOKEN): 'Bearer <token>'.")
 
 
 class JsonBodyByDefault:
@@ -78,6 +85,17 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
         return JSONResponse(status_code=exc.status, content={"detail": exc.message, **exc.extra})
 
+    token = settings.auth_token()
+
+    def require_token(request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> None:
+        problem = check_authorization(request.headers.get("authorization"), token) if token else None
+        if problem is not None:
+            raise HTTPException(401, problem, headers={"WWW-Authenticate": "Bearer"})
+
+    # Every route but /healthz needs the token (a dependency of this router).
+    api = APIRouter(dependencies=[Depends(require_token)] if token else [],
+                    responses={401: {"description": "no token or a wrong one"}} if token else None)
+
     def _job(job_id: str) -> Job:
         try:
             return manager.get(job_id)
@@ -99,7 +117,7 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
             raise HTTPException(404, f"job {job.id} has no {name}")
         return path
 
-    @app.post(
+    @api.post(
         "/probe",
         status_code=202,
         response_model=JobCreated,
@@ -127,15 +145,15 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
         response.headers["Location"] = location
         return JobCreated(id=job.id, state=job.state, location=location)
 
-    @app.get("/probe", response_model=JobList)
+    @api.get("/probe", response_model=JobList)
     def list_jobs(request: Request) -> JobList:
         return JobList(jobs=[_status(j, request) for j in manager.list()])
 
-    @app.get("/probe/{job_id}", response_model=JobStatus, name="job_status")
+    @api.get("/probe/{job_id}", response_model=JobStatus, name="job_status")
     def job_status(job_id: str, request: Request) -> JobStatus:
         return _status(_job(job_id), request)
 
-    @app.get("/probe/{job_id}/records")
+    @api.get("/probe/{job_id}/records")
     def records(
         job_id: str, format: str = Query("jsonl", pattern="^(jsonl|json)$", description="jsonl or json (a list)")
     ):
@@ -144,11 +162,11 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
             return JSONResponse([json.loads(line) for line in path.read_text().splitlines() if line])
         return FileResponse(path, media_type="application/x-ndjson", filename=f"{job_id}-records.jsonl")
 
-    @app.get("/probe/{job_id}/manifest")
+    @api.get("/probe/{job_id}/manifest")
     def manifest(job_id: str):
         return JSONResponse(json.loads(_output(_job(job_id), "manifest.json").read_text()))
 
-    @app.get("/probe/{job_id}/plot.png", response_class=FileResponse)
+    @api.get("/probe/{job_id}/plot.png", response_class=FileResponse)
     def plot(job_id: str, checkpoint: str | None = Query(None, description="Checkpoint label, e.g. step_000020")):
         job = _job(job_id)
         _output(job, "summary.json")
@@ -161,7 +179,7 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
             raise HTTPException(404, f"no checkpoint {checkpoint!r} in job {job_id}; checkpoints: {labels}")
         return FileResponse(_output(job, f"plot_{checkpoint}.png"), media_type="image/png")
 
-    @app.delete("/probe/{job_id}", response_model=JobStatus)
+    @api.delete("/probe/{job_id}", response_model=JobStatus)
     def cancel(job_id: str, request: Request, response: Response) -> JobStatus:
         try:
             job = manager.cancel(job_id)
@@ -177,8 +195,9 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
     def healthz() -> dict:
         return {"status": "ok", "jobs": manager.counts()}
 
-    @app.get("/metrics")
+    @api.get("/metrics")
     def metrics() -> Response:
         return Response(generate_latest(manager.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(api)
     return app

@@ -13,10 +13,10 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from forkrl.cli import CliSettings
+from forkrl.cli import TokenSettings
 
 
-class RolloutSettings(CliSettings):
+class RolloutSettings(TokenSettings):
     """gRPC rollout service: vLLM's async engine behind Generate, UpdateWeights, LoadWeights and GetInfo."""
 
     model_config = SettingsConfigDict(env_prefix="ROLLOUT_", cli_prog_name="python -m rollout_service")
@@ -25,7 +25,7 @@ class RolloutSettings(CliSettings):
     """HF checkpoint directory to serve (config.json, tokenizer files, *.safetensors). Its safetensors
     headers are the reference that pushed weights are checked against."""
     host: str = "127.0.0.1"
-    """Address to listen on. 0.0.0.0 exposes the service beyond this machine (no auth: do it on purpose)."""
+    """Address to listen on. Any address but loopback needs a token (the service refuses to start without)."""
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port (0 = any free port, printed at start)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"

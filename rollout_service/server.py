@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from forkrl.security import refuse_open_bind, server_interceptors
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from rollout_service.config import RolloutSettings
@@ -229,7 +230,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
 def build_server(settings: RolloutSettings) -> tuple[grpc.aio.Server, RolloutServicer, HealthServicer, int]:
     limit = settings.max_message_mib << 20
+    token = settings.auth_token()
+    refuse_open_bind("rollout service", settings.host, token)
     server = grpc.aio.server(
+        interceptors=server_interceptors(token),
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),

@@ -11,16 +11,17 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from forkrl.cli import CliSettings
+from forkrl.cli import TokenSettings
 
 
-class TrainerSettings(CliSettings):
+class TrainerSettings(TokenSettings):
     """gRPC trainer service: owns RL runs (StartRun, WatchRun, GetRun, StopRun)."""
 
     model_config = SettingsConfigDict(env_prefix="TRAINER_", cli_prog_name="python -m trainer_service")
 
     host: str = "127.0.0.1"
-    """Address to bind (loopback by default)."""
+    """Address to bind (loopback by default; any other address needs a token, or the service refuses to
+    start)."""
     port: int = Field(50052, ge=0, le=65535)
     """gRPC port (0 = pick a free one and print it)."""
     runs_root: str = "runs"

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
 from forkrl.cli import describe_validation_error
+from forkrl.security import refuse_open_bind, server_interceptors
 from forkrl.training.config import RunConfig, from_proto, to_proto
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_service.config import TrainerSettings
@@ -108,13 +109,17 @@ async def _serve(settings: TrainerSettings) -> int:
     from forkrl.training.loop import run_training
     from forkrl.training.preflight import preflight
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+    token = settings.auth_token()
+    refuse_open_bind("trainer service", settings.host, token)
+    server = grpc.aio.server(interceptors=server_interceptors(token),
+                             options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20),
                                       # gRPC sets SO_REUSEPORT by default: a second trainer on the same port
                                       # would start silently and share the traffic. Fail instead.
                                       ("grpc.so_reuseport", 0)])
     manager = RunManager(Path(settings.runs_root),
-                         lambda run: run_training(run, device=settings.device, tensorboard=settings.tensorboard))
+                         lambda run: run_training(run, device=settings.device, tensorboard=settings.tensorboard,
+                                                     token=token))
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(manager, preflight), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
