@@ -23,11 +23,11 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from forkrl.probe.params import ProbeParams
@@ -37,8 +37,28 @@ from probe_service.config import ProbeSettings
 from probe_service.jobs import Job, JobFinished, JobManager, JobNotFound, QueueFull
 from probe_service.schemas import JobCreated, JobList, JobStatus
 
-# Declares the scheme in the OpenAPI schema; the check itself is `require_token` in create_app.
+# Only declares the scheme in the OpenAPI schema (auto_error=False: checks nothing); RequireToken checks.
 _BEARER = HTTPBearer(auto_error=False, description="The services' token (FORKRL_TOKEN): 'Bearer <token>'.")
+# Open without the token: the health check, and the API's schema and its viewers (no data in them).
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+class RequireToken:
+    """401 for every request but OPEN_PATHS without `authorization: Bearer <token>`, before anything else
+    reads it (its body included: a cross-site form post is refused as is, never parsed)."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app, self.token = app, token
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            header = dict(scope["headers"]).get(b"authorization")
+            problem = check_authorization(header.decode("latin-1") if header else None, self.token)
+            if problem is not None:
+                reply = JSONResponse({"detail": problem}, 401, headers={"WWW-Authenticate": "Bearer"})
+                await reply(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class JsonBodyByDefault:
@@ -80,20 +100,16 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
     )
     app.state.settings, app.state.manager = settings, manager
     app.add_middleware(JsonBodyByDefault)
+    token = settings.auth_token()
+    if token:  # added last: the outermost layer, it answers before any other reads the request
+        app.add_middleware(RequireToken, token=token)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
         return JSONResponse(status_code=exc.status, content={"detail": exc.message, **exc.extra})
 
-    token = settings.auth_token()
-
-    def require_token(request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> None:
-        problem = check_authorization(request.headers.get("authorization"), token) if token else None
-        if problem is not None:
-            raise HTTPException(401, problem, headers={"WWW-Authenticate": "Bearer"})
-
-    # Every route but /healthz needs the token (a dependency of this router).
-    api = APIRouter(dependencies=[Depends(require_token)] if token else [],
+    # The routes that need the token (RequireToken enforces it; this router documents it in the schema).
+    api = APIRouter(dependencies=[Depends(_BEARER)] if token else [],
                     responses={401: {"description": "no token or a wrong one"}} if token else None)
 
     def _job(job_id: str) -> Job:
