@@ -12,7 +12,9 @@ launcher and compose.yaml create a token when none is given:
 
     python -m forkrl.security ensure-token /data/secrets/token     # keeps an existing file; 0600
 
-Comparison is constant-time (hmac.compare_digest). gRPC is imported only by the functions that need it.
+Paths a request names are confined to the roots a service is configured with (`confine_path`: '..' refused,
+symlinks followed). Comparison is constant-time (hmac.compare_digest). gRPC is imported only by the
+functions that need it.
 """
 
 from __future__ import annotations
@@ -114,6 +116,34 @@ def refuse_open_bind(service: str, host: str, token: str | None) -> None:
             f"Set {TOKEN_ENV} or {TOKEN_FILE_ENV} (or --token-file), or bind 127.0.0.1.")
     log.warning("%s: NO TOKEN SET: every local user and process can call this service on %s. "
                 "Set %s or %s to require one.", service, host, TOKEN_ENV, TOKEN_FILE_ENV)
+
+
+# --------------------------------------------------------------------------------------------- paths
+class OutsideRoots(PermissionError):
+    """A path that resolves (symlinks followed) outside the roots a service may use: PERMISSION_DENIED / 403."""
+
+
+def confine_path(path: str | os.PathLike, roots: Sequence[Path], what: str, setting: str) -> Path:
+    """The real path of `path` (symlinks followed) when it lies inside one of `roots` (real paths).
+
+    '..' anywhere → ValueError (a request that tries to climb out is malformed, whatever it resolves to);
+    outside → OutsideRoots naming `setting` (the roots' setting, e.g. "the trainer's runs_root (--runs-root)")
+    and, when a symlink leads out, where it leads. A path that does not exist yet is resolved as far as it
+    exists (a new run dir inside a symlinked folder is judged by where the folder leads)."""
+    p = Path(path).expanduser()
+    if ".." in p.parts:
+        raise ValueError(f"{what} {str(path)!r} must not contain '..'")
+    real = p.resolve()
+    if not any(real == r or real.is_relative_to(r) for r in roots):
+        allowed = [str(r) for r in roots]
+        if real != p.absolute():  # a symlink (of the path or of a folder above it) leads out
+            raise OutsideRoots(f"{what} {str(path)!r} links outside {setting} {allowed} (to {str(real)!r})")
+        raise OutsideRoots(f"{what} {str(path)!r} is outside {setting} {allowed}")
+    return real
+
+
+def real_roots(roots: Sequence[str | os.PathLike]) -> list[Path]:
+    return [Path(r).expanduser().resolve() for r in roots]
 
 
 # --------------------------------------------------------------------------------------------- gRPC

@@ -8,10 +8,11 @@ Imports nothing heavy: `--help` must stay instant.
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from forkrl.cli import TokenSettings
 
@@ -50,6 +51,9 @@ class RolloutSettings(TokenSettings):
     """Most sequences the engine batches at once (vLLM's max_num_seqs)."""
     max_samples_per_request: int = Field(65536, gt=0)
     """Largest len(prompts) * n one Generate call may ask for."""
+    allowed_roots: Annotated[list[str], NoDecode] = ["runs", "models"]
+    """Directories LoadWeights may read (comma-separated), besides the served model's own directory. A path
+    must resolve, symlinks followed, inside one of them (the trainer's runs_root, for --weight-sync path)."""
     staging_dir: str | None = None
     """Where pushed weights are assembled as a safetensors file before the reload (default: /dev/shm
     when writable, so the engine reads them from memory; else <cache>/weights-staging)."""
@@ -60,6 +64,18 @@ class RolloutSettings(TokenSettings):
     carry many prompts)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level of the service (vLLM's own logging follows VLLM_LOGGING_LEVEL)."""
+
+    @field_validator("allowed_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, v: object) -> object:
+        # ROLLOUT_ALLOWED_ROOTS=a,b arrives as one string (NoDecode: not JSON); the CLI splits commas itself
+        if isinstance(v, str):
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    def load_roots(self) -> list[Path]:
+        """Real paths LoadWeights may read: allowed_roots and the served model's directory."""
+        return [Path(r).expanduser().resolve() for r in (*self.allowed_roots, self.model)]
 
 
 def apply_engine_env(settings: RolloutSettings) -> None:

@@ -68,6 +68,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             config = await asyncio.to_thread(self.preflight, config)  # the only resolve: the loop gets it as is
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except PermissionError as err:  # outside the trainer's roots, an unknown rollout, a custom reward
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
         except FileNotFoundError as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         try:
@@ -120,7 +122,9 @@ async def _serve(settings: TrainerSettings) -> int:
     manager = RunManager(Path(settings.runs_root),
                          lambda run: run_training(run, device=settings.device, tensorboard=settings.tensorboard,
                                                      token=token))
-    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(manager, preflight), server)
+    rules = settings.rules()
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(
+        TrainerServicer(manager, lambda cfg: preflight(cfg, rules)), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -134,7 +138,9 @@ async def _serve(settings: TrainerSettings) -> int:
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("trainer service listening on %s:%d (runs root %s)", settings.host, port, settings.runs_root)
+    log.info("trainer service listening on %s:%d (runs root %s, reads %s, rollouts %s, custom rewards %s)",
+             settings.host, port, rules.runs_root, [str(r) for r in rules.read_roots],
+             list(rules.rollout_addresses), "allowed" if rules.allow_custom_rewards else "refused")
     print(f"trainer service listening on {settings.host}:{port}", flush=True)
 
     stop = asyncio.Event()

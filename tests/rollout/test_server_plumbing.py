@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -114,7 +115,8 @@ class ServerThread:
     set (at once unless `hold_load`)."""
 
     def __init__(self, model_dir: Path, staging_dir: Path, hold_load: bool = False) -> None:
-        self.settings = RolloutSettings(model=str(model_dir), port=0, staging_dir=str(staging_dir))
+        self.settings = RolloutSettings(model=str(model_dir), port=0, staging_dir=str(staging_dir),
+                                        allowed_roots=[tempfile.gettempdir()])
         self.staging_dir = staging_dir
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
