@@ -5,7 +5,8 @@
                          micro_batch_size=64, max_grad_norm=1.0)
 
 What happens (algorithms.md §0–§3):
-1. The step's sequences are split into micro-batches. The global denominators (kept tokens, response
+1. The step's sequences are split into micro-batches (one with only empty completions, e.g. aborted
+   samples, is skipped). The global denominators (kept tokens, response
    tokens, sequences) are computed once, before any backward, from token counts alone (§2.3).
 2. For `mask_scope="step"` a no-grad pass first computes the entropies of every micro-batch so that one
    top-k can be taken over the whole step.
@@ -127,6 +128,11 @@ def train_step(
     device = next(model.parameters()).device
     advantages = advantages.to(device)
     bounds = [(s, min(s + micro_batch_size, n)) for s in range(0, n, micro_batch_size)]
+    # A micro-batch of only empty completions (aborted samples) holds no token to train on: skip it. Empty
+    # sequences next to real ones need nothing: no token of theirs enters a loss, mask or denominator.
+    bounds = [(s, e) for s, e in bounds if bool(batch.response_mask[s:e].any())]
+    if not bounds:
+        raise ValueError(f"all {n} completions of the step are empty (0 tokens): nothing to train on")
     micros = [batch.slice(s, e).to(device) for s, e in bounds]
     rho, scope = loss_cfg.entropy_top_frac, loss_cfg.mask_scope
     denom = step_denominator(loss_cfg, [mb.response_mask for mb in micros])
