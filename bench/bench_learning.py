@@ -35,9 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
 
-    import grpc
-
     from clients.stack import Stack
+    from forkrl.security import grpc_channel
     from forkrl.training.config import RunConfig, to_proto
     from forkrl.training.metrics import mean_class_breakdown
     from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
@@ -46,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     model = data / "models" / "tiny"  # built (cached) by the stack's one-shot `model` service
     results = []
     with Stack(data_dir=data, services=["rollout", "trainer"], echo=False) as stack:
-        stub = trainer_pb2_grpc.TrainerServiceStub(grpc.insecure_channel(stack.addresses["trainer"]))
+        stub = trainer_pb2_grpc.TrainerServiceStub(grpc_channel(stack.addresses["trainer"], token=stack.token))
         for frac in args.fracs:
             run_dir = data / "runs" / f"{args.loss}-frac{frac}-seed{args.seed}-{time.strftime('%H%M%S')}"
             cfg = RunConfig(model=str(model), rollout_addresses=[stack.addresses["rollout"]], loss=args.loss,

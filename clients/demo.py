@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -41,10 +40,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _post_probe(url: str, body: dict, timeout_s: float) -> dict:
+def _post_probe(url: str, body: dict, timeout_s: float, token: str | None) -> dict:
     import httpx
 
-    resp = httpx.post(f"{url}/probe", params={"wait": "true"}, json=body, timeout=timeout_s)
+    from forkrl.security import http_headers
+
+    resp = httpx.post(f"{url}/probe", params={"wait": "true"}, json=body, timeout=timeout_s,
+                      headers=http_headers(token))
     if resp.status_code != 200:
         raise RuntimeError(f"probe failed: HTTP {resp.status_code}: {resp.text[:2000]}")
     return resp.json()
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                "--seed", str(args.seed), "--run-dir", str(run_dir), "--model", str(model_dir),
                "--rollout-addresses", addr["rollout"], "--trainer-address", addr["trainer"]]
         print("[demo] $ " + " ".join(cmd[1:]), flush=True)
-        rc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        rc = subprocess.run(cmd, env={**stack.client_env(), "PYTHONUNBUFFERED": "1"}).returncode
         if rc != 0:
             print(f"[demo] training failed (exit {rc})", file=sys.stderr)
             return rc
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 "freeze_bins_from": "none", "bootstrap": 0}
         print(f"[demo] $ curl -X POST '{addr['probe']}/probe?wait=true' -d '{json.dumps(body)}'", flush=True)
         t_probe = time.monotonic()
-        summary = _post_probe(addr["probe"], body, timeout_s=900)
+        summary = _post_probe(addr["probe"], body, timeout_s=900, token=stack.token)
         print(f"[demo] probe done in {time.monotonic() - t_probe:.0f}s", flush=True)
         jobs = [p for p in (data / "probe_jobs").glob("*") if (p / "summary.json").is_file()]
         probe_dir = max(jobs, key=lambda p: p.stat().st_mtime) if jobs else None

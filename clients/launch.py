@@ -9,7 +9,9 @@ compose.yaml is read for each service's command, environment, depends_on and hea
 (`${FORKRL_DATA:-/data}` there) go to --data-dir. Services start in dependency order, each waiting for
 what it depends on (healthy / completed), and their logs stream here as `[rollout] ...` (also written to
 <data-dir>/logs/<service>.log). Ctrl-C or SIGTERM stops them all, dependents first (SIGTERM, then SIGKILL
-after the service's stop_grace_period); so does the death of any one of them. Exit status: 0 after a
+after the service's stop_grace_period); so does the death of any one of them (no `restart:` here). Every
+service requires one bearer token: FORKRL_TOKEN when set, else the one compose.yaml's `token` service creates
+in <data-dir>/secrets/token (clients: `export FORKRL_TOKEN_FILE=<data-dir>/secrets/token`). Exit status: 0 after a
 requested stop, non-zero when a service failed to start or died. From Python: clients/stack.py (Stack).
 """
 
@@ -120,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         where = ", ".join(f"{n} {a}" for n, a in stack.addresses.items())
         stack.say("launch", f"ready in {stack.ready_s:.1f} s: {where} (data: {stack.data_dir}); Ctrl-C stops")
+        if not stack.base_env.get("FORKRL_TOKEN", "").strip() and stack.token_file.is_file():
+            stack.say("launch", f"clients need the services' token: export FORKRL_TOKEN_FILE={stack.token_file}")
         code = stack.wait()
     except (KeyboardInterrupt, _Terminate):
         pass

@@ -8,6 +8,8 @@ dependency order, waits for each condition, watches them, and stops them all.
     from clients.stack import Stack
     with Stack() as stack:                 # starts in dependency order, waits for health
         print(stack.addresses)             # {'rollout': '127.0.0.1:50051', 'trainer': ..., 'probe': 'http://...'}
+        stack.token                        # the services' token (FORKRL_TOKEN, else the one the stack created)
+        subprocess.run([..., "clients/start_run.py"], env=stack.client_env())   # clients get it this way
         ...                                # leaving the block stops everything (no orphans)
 
 Stopping follows Docker: dependents stop before their dependencies, each with SIGTERM, up to its
@@ -41,6 +43,7 @@ from clients.compose_file import (
     local_environment,
 )
 from clients.process import Service
+from forkrl.security import TOKEN_ENV, TokenError, load_token, read_token_file
 
 __all__ = ["Stack", "StackError"]
 
@@ -94,6 +97,27 @@ class Stack:
         self._stopped = False
 
     # -- info
+    @property
+    def token_file(self) -> Path:
+        """Where compose.yaml's one-shot `token` service keeps the token (<data_dir>/secrets/token)."""
+        return Path(self.base_env[DATA_VAR]) / "secrets" / "token"
+
+    @property
+    def token(self) -> str | None:
+        """The services' bearer token: FORKRL_TOKEN when given, else the one the `token` service created
+        (None before it ran)."""
+        given = load_token({k: v for k, v in self.base_env.items() if k == TOKEN_ENV})
+        if given:
+            return given
+        with contextlib.suppress(TokenError):
+            return read_token_file(self.token_file)
+        return None
+
+    def client_env(self) -> dict[str, str]:
+        """This process's environment with the services' token, for clients (start_run.py, curl, ...)."""
+        token = self.token
+        return {**os.environ, TOKEN_ENV: token} if token else dict(os.environ)
+
     @property
     def addresses(self) -> dict[str, str]:
         """service -> host:port (gRPC) or base URL (HTTP), as its health check reaches it."""

@@ -22,9 +22,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import Field, PrivateAttr, SecretStr, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, CliApp, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
+
+from forkrl.security import TOKEN_ENV, TOKEN_FILE_ENV, TokenError, resolve_token
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -116,3 +118,43 @@ class NamedEnvSource(PydanticBaseSettingsSource):
             if value is not None:
                 out[name] = value
         return out
+
+
+class TokenSettings(CliSettings):
+    """The token fields every service shares (forkrl/security.py). Besides the flags and the service's own
+    prefixed variables (ROLLOUT_TOKEN_FILE, ...), they read FORKRL_TOKEN and FORKRL_TOKEN_FILE, which the
+    launcher, compose.yaml and the clients use: one token for the whole stack."""
+
+    token: SecretStr | None = Field(None, repr=False)
+    """The bearer token every call but the health check must carry (env FORKRL_TOKEN). Prefer the variable or
+    --token-file: a flag is visible to every user of the machine in `ps`. Unset (and no file): the service
+    runs open on a loopback address, with a warning, and refuses to start on any other address."""
+    token_file: str | None = None
+    """File holding the token (env FORKRL_TOKEN_FILE); used when no token is given directly."""
+    _token: str | None = PrivateAttr(None)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # flags > <PREFIX>_* variables > FORKRL_TOKEN / FORKRL_TOKEN_FILE > defaults
+        names = {"token": TOKEN_ENV, "token_file": TOKEN_FILE_ENV}
+        return init_settings, env_settings, NamedEnvSource(settings_cls, names), dotenv_settings, file_secret_settings
+
+    @model_validator(mode="after")
+    def _read_token(self) -> TokenSettings:
+        token = self.token.get_secret_value() if self.token is not None else None
+        try:
+            self._token = resolve_token(token, self.token_file)
+        except TokenError as err:
+            raise ValueError(f"token_file: {err}") from None
+        return self
+
+    def auth_token(self) -> str | None:
+        """The token the service requires (None: it runs open; see forkrl.security.refuse_open_bind)."""
+        return self._token

@@ -21,6 +21,7 @@ from forkrl.data.rewards import BUILTIN_REWARDS
 from forkrl.probe.checkpoints import CheckpointNotFound, Confine, PathNotFound, ProbeInputError
 from forkrl.probe.job import ProbePlan, plan_probe
 from forkrl.probe.params import ProbeParams
+from forkrl.security import OutsideRoots, confine_path
 from probe_service.config import ProbeSettings
 
 __all__ = ["RequestError", "admit", "inside_roots"]
@@ -38,18 +39,12 @@ def inside_roots(roots: list[Path]) -> Confine:
     """A `confine` for the core: the real path (symlinks followed) if it lies inside one of `roots`."""
 
     def confine(path: Path, what: str) -> Path:
-        p = Path(path).expanduser()
-        if ".." in p.parts:
-            raise RequestError(400, f"{what} {str(path)!r} must not contain '..'")
-        real = p.resolve()
-        if not any(real == r or real.is_relative_to(r) for r in roots):
-            allowed = [str(r) for r in roots]
-            if real != p.absolute():  # a symlink (of the path or of a folder above it) leads out
-                raise RequestError(
-                    403, f"{what} {str(path)!r} links outside the allowed roots {allowed} (to {str(real)!r})"
-                )
-            raise RequestError(403, f"{what} {str(path)!r} is outside the allowed roots {allowed}")
-        return real
+        try:
+            return confine_path(path, roots, what, "the allowed roots")
+        except OutsideRoots as exc:
+            raise RequestError(403, str(exc)) from None
+        except ValueError as exc:
+            raise RequestError(400, str(exc)) from None
 
     return confine
 

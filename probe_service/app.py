@@ -12,7 +12,9 @@ GET    /probe/{id}/records         token_probe_records.jsonl (?format=json for a
 GET    /probe/{id}/manifest        manifest.json
 GET    /probe/{id}/plot.png        ?checkpoint=<label>
 DELETE /probe/{id}                 cancel (409 once finished)
-GET    /healthz, /metrics
+GET    /metrics                    Prometheus text
+GET    /healthz                    open; every other route needs `authorization: Bearer <token>` when the
+                                   service has a token (401 otherwise; forkrl/security.py)
 """
 
 from __future__ import annotations
@@ -23,15 +25,40 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
+from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from forkrl.probe.params import CAVEAT, ProbeParams
+from forkrl.security import check_authorization
 from probe_service.admission import RequestError, admit
 from probe_service.config import ProbeSettings
 from probe_service.jobs import Job, JobFinished, JobManager, JobNotFound, QueueFull
 from probe_service.schemas import JobCreated, JobList, JobStatus
+
+# Only declares the scheme in the OpenAPI schema (auto_error=False: checks nothing); RequireToken checks.
+_BEARER = HTTPBearer(auto_error=False, description="The services' token (FORKRL_TOKEN): 'Bearer <token>'.")
+# Open without the token: the health check, and the API's schema and its viewers (no data in them).
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+class RequireToken:
+    """401 for every request but OPEN_PATHS without `authorization: Bearer <token>`, before anything else
+    reads it (its body included: a cross-site form post is refused as is, never parsed)."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app, self.token = app, token
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            header = dict(scope["headers"]).get(b"authorization")
+            problem = check_authorization(header.decode("latin-1") if header else None, self.token)
+            if problem is not None:
+                reply = JSONResponse({"detail": problem}, 401, headers={"WWW-Authenticate": "Bearer"})
+                await reply(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class JsonBodyByDefault:
@@ -74,10 +101,17 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
     )
     app.state.settings, app.state.manager = settings, manager
     app.add_middleware(JsonBodyByDefault)
+    token = settings.auth_token()
+    if token:  # added last: the outermost layer, it answers before any other reads the request
+        app.add_middleware(RequireToken, token=token)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
         return JSONResponse(status_code=exc.status, content={"detail": exc.message, **exc.extra})
+
+    # The routes that need the token (RequireToken enforces it; this router documents it in the schema).
+    api = APIRouter(dependencies=[Depends(_BEARER)] if token else [],
+                    responses={401: {"description": "no token or a wrong one"}} if token else None)
 
     def _job(job_id: str) -> Job:
         try:
@@ -100,7 +134,7 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
             raise HTTPException(404, f"job {job.id} has no {name}")
         return path
 
-    @app.post(
+    @api.post(
         "/probe",
         status_code=202,
         response_model=JobCreated,
@@ -128,15 +162,15 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
         response.headers["Location"] = location
         return JobCreated(id=job.id, state=job.state, location=location)
 
-    @app.get("/probe", response_model=JobList)
+    @api.get("/probe", response_model=JobList)
     def list_jobs(request: Request) -> JobList:
         return JobList(jobs=[_status(j, request) for j in manager.list()])
 
-    @app.get("/probe/{job_id}", response_model=JobStatus, name="job_status")
+    @api.get("/probe/{job_id}", response_model=JobStatus, name="job_status")
     def job_status(job_id: str, request: Request) -> JobStatus:
         return _status(_job(job_id), request)
 
-    @app.get("/probe/{job_id}/records")
+    @api.get("/probe/{job_id}/records")
     def records(
         job_id: str, format: str = Query("jsonl", pattern="^(jsonl|json)$", description="jsonl or json (a list)")
     ):
@@ -145,11 +179,11 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
             return JSONResponse([json.loads(line) for line in path.read_text().splitlines() if line])
         return FileResponse(path, media_type="application/x-ndjson", filename=f"{job_id}-records.jsonl")
 
-    @app.get("/probe/{job_id}/manifest")
+    @api.get("/probe/{job_id}/manifest")
     def manifest(job_id: str):
         return JSONResponse(json.loads(_output(_job(job_id), "manifest.json").read_text()))
 
-    @app.get("/probe/{job_id}/plot.png", response_class=FileResponse)
+    @api.get("/probe/{job_id}/plot.png", response_class=FileResponse)
     def plot(job_id: str, checkpoint: str | None = Query(None, description="Checkpoint label, e.g. step_000020")):
         job = _job(job_id)
         _output(job, "summary.json")
@@ -162,7 +196,7 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
             raise HTTPException(404, f"no checkpoint {checkpoint!r} in job {job_id}; checkpoints: {labels}")
         return FileResponse(_output(job, f"plot_{checkpoint}.png"), media_type="image/png")
 
-    @app.delete("/probe/{job_id}", response_model=JobStatus)
+    @api.delete("/probe/{job_id}", response_model=JobStatus)
     def cancel(job_id: str, request: Request, response: Response) -> JobStatus:
         try:
             job = manager.cancel(job_id)
@@ -178,8 +212,9 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
     def healthz() -> dict:
         return {"status": "ok", "jobs": manager.counts()}
 
-    @app.get("/metrics")
+    @api.get("/metrics")
     def metrics() -> Response:
         return Response(generate_latest(manager.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(api)
     return app

@@ -15,16 +15,17 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from forkrl.cli import CliSettings
+from forkrl.cli import TokenSettings
 
 
-class ProbeSettings(CliSettings):
+class ProbeSettings(TokenSettings):
     """HTTP probe service: entropy-binned gradient statistics of RL checkpoints (POST /probe)."""
 
     model_config = SettingsConfigDict(env_prefix="PROBE_", cli_prog_name="python -m probe_service")
 
     host: str = "127.0.0.1"
-    """Address to bind (loopback by default)."""
+    """Address to bind (loopback by default; any other address needs a token, or the service refuses to
+    start)."""
     port: int = Field(8000, ge=0, le=65535)
     """HTTP port."""
     allowed_roots: Annotated[list[str], NoDecode] = ["runs", "models"]

@@ -8,15 +8,16 @@ Imports nothing heavy: `--help` must stay instant.
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
-from forkrl.cli import CliSettings
+from forkrl.cli import TokenSettings
 
 
-class RolloutSettings(CliSettings):
+class RolloutSettings(TokenSettings):
     """gRPC rollout service: vLLM's async engine behind Generate, UpdateWeights, LoadWeights and GetInfo."""
 
     model_config = SettingsConfigDict(env_prefix="ROLLOUT_", cli_prog_name="python -m rollout_service")
@@ -25,7 +26,7 @@ class RolloutSettings(CliSettings):
     """HF checkpoint directory to serve (config.json, tokenizer files, *.safetensors). Its safetensors
     headers are the reference that pushed weights are checked against."""
     host: str = "127.0.0.1"
-    """Address to listen on. 0.0.0.0 exposes the service beyond this machine (no auth: do it on purpose)."""
+    """Address to listen on. Any address but loopback needs a token (the service refuses to start without)."""
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port (0 = any free port, printed at start)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
@@ -50,6 +51,9 @@ class RolloutSettings(CliSettings):
     """Most sequences the engine batches at once (vLLM's max_num_seqs)."""
     max_samples_per_request: int = Field(65536, gt=0)
     """Largest len(prompts) * n one Generate call may ask for."""
+    allowed_roots: Annotated[list[str], NoDecode] = ["runs", "models"]
+    """Directories LoadWeights may read (comma-separated), besides the served model's own directory. A path
+    must resolve, symlinks followed, inside one of them (the trainer's runs_root, for --weight-sync path)."""
     staging_dir: str | None = None
     """Where pushed weights are assembled as a safetensors file before the reload (default: /dev/shm
     when writable, so the engine reads them from memory; else <cache>/weights-staging)."""
@@ -60,6 +64,18 @@ class RolloutSettings(CliSettings):
     carry many prompts)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level of the service (vLLM's own logging follows VLLM_LOGGING_LEVEL)."""
+
+    @field_validator("allowed_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, v: object) -> object:
+        # ROLLOUT_ALLOWED_ROOTS=a,b arrives as one string (NoDecode: not JSON); the CLI splits commas itself
+        if isinstance(v, str):
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    def load_roots(self) -> list[Path]:
+        """Real paths LoadWeights may read: allowed_roots and the served model's directory."""
+        return [Path(r).expanduser().resolve() for r in (*self.allowed_roots, self.model)]
 
 
 def apply_engine_env(settings: RolloutSettings) -> None:

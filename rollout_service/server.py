@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from forkrl.security import OutsideRoots, confine_path, refuse_open_bind, server_interceptors
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from rollout_service.config import RolloutSettings
@@ -30,6 +31,7 @@ from rollout_service.types import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     RolloutError,
     Sample,
@@ -49,7 +51,9 @@ _CODES: dict[type[RolloutError], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
+LOAD_ROOTS = "the rollout service's allowed_roots (--allowed-roots, ROLLOUT_ALLOWED_ROOTS)"
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
@@ -198,7 +202,18 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self, request: pb.LoadWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadWeightsResponse:
         try:
-            r = await self._ready().load_weights(request.path, request.target_version)
+            engine = self._ready()
+            path = request.path
+            if path:  # read only inside the allowed roots ('..' refused, symlinks followed)
+                try:
+                    path = str(confine_path(path, self.settings.load_roots(), "path", LOAD_ROOTS))
+                except OutsideRoots as e:
+                    engine.counters.rejected_weight_updates += 1
+                    raise PermissionDenied(str(e)) from None
+                except ValueError as e:
+                    engine.counters.rejected_weight_updates += 1
+                    raise InvalidArgument(str(e)) from None
+            r = await engine.load_weights(path, request.target_version)
             return pb.LoadWeightsResponse(version=r.version, apply_s=r.apply_s, drain_s=r.drain_s)
         except asyncio.CancelledError:
             raise
@@ -229,7 +244,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
 def build_server(settings: RolloutSettings) -> tuple[grpc.aio.Server, RolloutServicer, HealthServicer, int]:
     limit = settings.max_message_mib << 20
+    token = settings.auth_token()
+    refuse_open_bind("rollout service", settings.host, token)
     server = grpc.aio.server(
+        interceptors=server_interceptors(token),
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),

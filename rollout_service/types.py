@@ -45,6 +45,10 @@ class ResourceExhausted(RolloutError):
     """RESOURCE_EXHAUSTED"""
 
 
+class PermissionDenied(RolloutError):
+    """PERMISSION_DENIED"""
+
+
 # ------------------------------------------------------------------------------------------ core types
 @dataclass
 class SamplingSpec:

@@ -1,12 +1,21 @@
 """Shared fixtures. `tiny_model_dir` is the embedded default: the committed forkrl/models/default (the same
 bytes on every machine), or $FORKRL_MODEL_DIR, built there once when it holds no build yet (cached on disk).
 
+The suite's bearer token is set here, for every service and client the tests start (forkrl/security.py).
 Markers (registered in pyproject.toml): slow, docker, isolated.
 """
 
+import os
+import secrets
 from pathlib import Path
 
 import pytest
+
+# Every service the tests start requires this token (they inherit the environment), and every client the tests
+# use sends it (forkrl.security reads FORKRL_TOKEN): the suite runs secure by default. Tests of the token
+# itself pass their own.
+os.environ["FORKRL_TOKEN"] = "forkrl-test-" + secrets.token_hex(8)
+os.environ.pop("FORKRL_TOKEN_FILE", None)
 
 
 @pytest.fixture(scope="session")

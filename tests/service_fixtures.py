@@ -284,10 +284,12 @@ def start_rollout_service(
     """Run the rollout service on a port it binds itself; yield its address ("127.0.0.1:PORT", a str with
     `.process` and `.log_path`) once health says SERVING.
 
-    `settings` are RolloutSettings fields (`kv_cache_gib=1`, `seed=0`, `staging_dir=...`) passed as flags.
+    `settings` are RolloutSettings fields (`kv_cache_gib=1`, `seed=0`, `staging_dir=...`) passed as flags;
+    LoadWeights may read anything under the temporary directory (allowed_roots) unless the test says otherwise.
     `expect_clean_stop`: on a normal exit, SIGTERM must stop the service with status 0 and leave no process
     of its group (its engine) behind, or the exit raises AssertionError.
     """
+    settings.setdefault("allowed_roots", tempfile.gettempdir())  # where the tests keep their checkpoints
     cmd = [sys.executable, "-m", "rollout_service", "--model", str(model_dir), "--port", "0", *_flags(settings)]
     env = {**os.environ, **(extra_env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -309,7 +311,11 @@ def start_trainer_service(
     **settings: object,
 ) -> contextlib.AbstractContextManager[ServiceAddress]:
     """`python -m trainer_service` on a port it binds itself, runs under `runs_root`, no TensorBoard.
-    `expect_clean_stop` as for `start_rollout_service`."""
+    `expect_clean_stop` as for `start_rollout_service`. Unless the test says otherwise, StartRun may read models
+    and datasets under the temporary directory (allowed_roots) and use any rollout service on 127.0.0.1
+    (rollout_addresses 127.0.0.1:*); run dirs must lie inside `runs_root`, as for any trainer."""
+    settings.setdefault("allowed_roots", tempfile.gettempdir())
+    settings.setdefault("rollout_addresses", "127.0.0.1:*")  # the tests' rollout services bind free ports
     cmd = [sys.executable, "-m", "trainer_service", "--port", "0", "--runs-root", str(runs_root),
            "--no-tensorboard", *_flags(settings)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}

@@ -8,23 +8,38 @@ Imports nothing heavy: `--help` must stay instant.
 
 from __future__ import annotations
 
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
+from pathlib import Path
+from typing import Annotated
 
-from forkrl.cli import CliSettings
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
+
+from forkrl.cli import TokenSettings
+from forkrl.security import real_roots
+from forkrl.training.rules import RunRules
 
 
-class TrainerSettings(CliSettings):
+class TrainerSettings(TokenSettings):
     """gRPC trainer service: owns RL runs (StartRun, WatchRun, GetRun, StopRun)."""
 
     model_config = SettingsConfigDict(env_prefix="TRAINER_", cli_prog_name="python -m trainer_service")
 
     host: str = "127.0.0.1"
-    """Address to bind (loopback by default)."""
+    """Address to bind (loopback by default; any other address needs a token, or the service refuses to
+    start)."""
     port: int = Field(50052, ge=0, le=65535)
     """gRPC port (0 = pick a free one and print it)."""
     runs_root: str = "runs"
-    """Where runs without an explicit run_dir are written."""
+    """Where runs are written: a run without run_dir gets <runs_root>/<run id>; a given run_dir must lie inside
+    (symlinks followed) and be new, empty or a forkrl run."""
+    allowed_roots: Annotated[list[str], NoDecode] = ["models", "data"]
+    """Directories StartRun's model and dataset may be read from (comma-separated), besides runs_root (a run's
+    checkpoints) and the embedded default model. Paths resolve, symlinks followed, inside one of them."""
+    rollout_addresses: Annotated[list[str], NoDecode] = ["127.0.0.1:50051"]
+    """The rollout services runs may use (comma-separated host:port; host:* allows any port of that host).
+    StartRun's rollout_addresses must each be one of them: the trainer sends prompts and weights there."""
+    allow_custom_rewards: bool = False
+    """Accept reward='package.module:function' in StartRun (imports and runs that code in the trainer)."""
     threads: int = Field(1, ge=1)
     """torch threads for the training forward/backward."""
     device: str = "auto"
@@ -33,3 +48,22 @@ class TrainerSettings(CliSettings):
     """SIGTERM: seconds to let in-flight RPCs finish."""
     tensorboard: bool = True
     """Also write TensorBoard event files into the run dir."""
+
+    @field_validator("allowed_roots", "rollout_addresses", mode="before")
+    @classmethod
+    def _split_commas(cls, v: object) -> object:
+        # TRAINER_ALLOWED_ROOTS=a,b arrives as one string (NoDecode: not JSON); the CLI splits commas itself
+        if isinstance(v, str):
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    def rules(self) -> RunRules:
+        """What StartRun may ask of this trainer (forkrl.training.preflight)."""
+        from forkrl.models.tiny import default_model_dir
+
+        return RunRules(
+            runs_root=Path(self.runs_root).expanduser().resolve(),
+            read_roots=real_roots([*self.allowed_roots, self.runs_root, default_model_dir()]),
+            rollout_addresses=tuple(self.rollout_addresses),
+            allow_custom_rewards=self.allow_custom_rewards,
+        )

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
 from forkrl.cli import describe_validation_error
+from forkrl.security import refuse_open_bind, server_interceptors
 from forkrl.training.config import RunConfig, from_proto, to_proto
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_service.config import TrainerSettings
@@ -67,6 +68,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             config = await asyncio.to_thread(self.preflight, config)  # the only resolve: the loop gets it as is
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except PermissionError as err:  # outside the trainer's roots, an unknown rollout, a custom reward
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
         except FileNotFoundError as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         try:
@@ -108,14 +111,20 @@ async def _serve(settings: TrainerSettings) -> int:
     from forkrl.training.loop import run_training
     from forkrl.training.preflight import preflight
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+    token = settings.auth_token()
+    refuse_open_bind("trainer service", settings.host, token)
+    server = grpc.aio.server(interceptors=server_interceptors(token),
+                             options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20),
                                       # gRPC sets SO_REUSEPORT by default: a second trainer on the same port
                                       # would start silently and share the traffic. Fail instead.
                                       ("grpc.so_reuseport", 0)])
     manager = RunManager(Path(settings.runs_root),
-                         lambda run: run_training(run, device=settings.device, tensorboard=settings.tensorboard))
-    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(manager, preflight), server)
+                         lambda run: run_training(run, device=settings.device, tensorboard=settings.tensorboard,
+                                                     token=token))
+    rules = settings.rules()
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(
+        TrainerServicer(manager, lambda cfg: preflight(cfg, rules)), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -129,7 +138,9 @@ async def _serve(settings: TrainerSettings) -> int:
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("trainer service listening on %s:%d (runs root %s)", settings.host, port, settings.runs_root)
+    log.info("trainer service listening on %s:%d (runs root %s, reads %s, rollouts %s, custom rewards %s)",
+             settings.host, port, rules.runs_root, [str(r) for r in rules.read_roots],
+             list(rules.rollout_addresses), "allowed" if rules.allow_custom_rewards else "refused")
     print(f"trainer service listening on {settings.host}:{port}", flush=True)
 
     stop = asyncio.Event()

@@ -9,7 +9,8 @@
 
 Every call carries a deadline. Only UNAVAILABLE is retried (with backoff, within the deadline); a
 Generate stream is retried only before its first trajectory arrived, so no sample is ever duplicated.
-Trajectories are the proto messages (`forkrl.rollout.v1.Trajectory`).
+Trajectories are the proto messages (`forkrl.rollout.v1.Trajectory`). Every call carries the services'
+token (`authorization: Bearer …`, from FORKRL_TOKEN / FORKRL_TOKEN_FILE unless given).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from forkrl.security import grpc_channel
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 
@@ -29,14 +31,17 @@ _MAX_MESSAGE = 64 << 20
 
 
 class RolloutClient:
-    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 5) -> None:
-        """`timeout_s` is the default deadline of Generate and weight calls (info: 30 s)."""
+    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 5,
+                 token: str | None = None) -> None:
+        """`timeout_s` is the default deadline of Generate and weight calls (info: 30 s). `token`: the
+        services' bearer token (None: FORKRL_TOKEN / FORKRL_TOKEN_FILE of the environment; "": none)."""
         self.address = address
         self.timeout_s = timeout_s
         self.max_retries = max_retries
-        self._channel = grpc.insecure_channel(
+        self._channel = grpc_channel(
             address,
             options=[("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)],
+            token=token,
         )
         self._stub = pb_grpc.RolloutServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

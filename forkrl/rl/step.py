@@ -13,7 +13,8 @@ What happens (algorithms.md §0–§3, §3.8):
    forward pass — exactly the single-update arithmetic, ratios exactly 1. With several updates, one no-grad
    pass before the first update over every micro-batch (the same slicing as the updates), so the ratio of
    later updates measures how far the policy moved since the batch began and the clip acts.
-3. Each update: its mini-batch is split into micro-batches; the global denominators of the mini-batch (kept
+3. Each update: its mini-batch is split into micro-batches (one with only empty completions, e.g. aborted
+   samples, is skipped); the global denominators of the mini-batch (kept
    tokens, response tokens, sequences) are computed once, before any backward, from token counts alone
    (§2.3). For `mask_scope="step"` a no-grad pass first computes the entropies of every micro-batch of the
    mini-batch so that one top-k is taken over the whole update. Per micro-batch: forward in fp32 → logp and
@@ -265,6 +266,12 @@ def train_step(
     size = n if mini_batch_size is None else min(mini_batch_size, n)
     plan = [[(a, min(a + micro_batch_size, e)) for a in range(s, e, micro_batch_size)]
             for s, e in ((s, min(s + size, n)) for s in range(0, n, size))]
+    # A micro-batch of only empty completions (aborted samples) holds no token to train on: skip it. Empty
+    # sequences next to real ones need nothing: no token of theirs enters a loss, mask or denominator.
+    plan = [kept for kept in ([(a, b) for a, b in bounds if bool(batch.response_mask[a:b].any())]
+                              for bounds in plan) if kept]
+    if not plan:
+        raise ValueError(f"all {n} completions of the step are empty (0 tokens): nothing to train on")
     micros = [[batch.slice(a, b).to(device) for a, b in bounds] for bounds in plan]
     n_updates = len(plan) * epochs
 
@@ -281,10 +288,13 @@ def train_step(
                     temperature, max_grad_norm, ref_model, acc)
     kl_kept, kl_all = _approx_kl(model, micros, acc, temperature)
     if kept_out is not None:  # completion targets are contiguous per row: row r's in order
-        for k, mbs in enumerate(micros):
-            for j, mb in enumerate(mbs):
+        rows = [torch.zeros(0, dtype=torch.bool)] * n  # a skipped (all-empty) micro-batch's rows keep nothing
+        for k, (bounds, mbs) in enumerate(zip(plan, micros, strict=True)):
+            for j, ((a, _), mb) in enumerate(zip(bounds, mbs, strict=True)):
                 token_mask, resp = acc.kept[(k, j)], mb.response_mask
-                kept_out.extend(token_mask[r][resp[r]].cpu() for r in range(len(mb)))
+                for r in range(len(mb)):
+                    rows[a + r] = token_mask[r][resp[r]].cpu()
+        kept_out.extend(rows)
 
     sums = acc.sums
     n_resp, n_kept = sums["response_tokens"], max(sums["kept_tokens"], 1.0)

@@ -50,7 +50,10 @@ class RunHandle(Protocol):
               path: str = "") -> None: ...
 
 
-def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = True) -> None:
+def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = True,
+                 token: str | None = None) -> None:
+    """Run `run.config` to its end. `token`: the bearer token sent to the rollout services (None: from the
+    environment)."""
     cfg, run_dir = run.config, run.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2, sort_keys=True))
@@ -60,8 +63,8 @@ def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = Tr
     eval_problems = load_problems(cfg.task or None, cfg.dataset or None, "eval", cfg.eval_prompts, cfg.seed) \
         if cfg.eval_prompts else []
     s = _Session(run, cfg, policy, DataOrder(train_problems, cfg.seed, policy.data_cursor),
-                 get_reward_fn(cfg.reward), MetricsSink(run_dir, tensorboard), Rollouts(cfg.rollout_addresses),
-                 eval_problems)
+                 get_reward_fn(cfg.reward), MetricsSink(run_dir, tensorboard),
+                 Rollouts(cfg.rollout_addresses, token), eval_problems)
     loss_cfg = cfg.loss_config()
     run.event("LOG", f"waiting for rollout service(s) {', '.join(cfg.rollout_addresses)}")
     s.rollouts.wait_ready()

@@ -3,9 +3,10 @@
     cfg = preflight(RunConfig(entropy_top_frac=0.2))   # model dir, task, reward, max_new_tokens filled in
     cfg = check_values(cfg)     # the same checks except those that need the files (recipes, tests)
 
-ValueError → the request is wrong (INVALID_ARGUMENT); FileNotFoundError → the world is not ready for it
-(FAILED_PRECONDITION: e.g. resume without a checkpoint). The training loop receives the resolved config and
-never resolves again.
+ValueError → the request is wrong (INVALID_ARGUMENT); PermissionError → this trainer does not allow it
+(PERMISSION_DENIED: a path outside its roots, a rollout address it does not know, a custom reward);
+FileNotFoundError → the world is not ready for it (FAILED_PRECONDITION: e.g. resume without a checkpoint).
+The training loop receives the resolved config and never resolves again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from forkrl.data.rewards import get_reward_fn
 from forkrl.data.tasks import DEFAULT_TASK, get_task
 from forkrl.models.tiny import default_model_dir
 from forkrl.training.config import RunConfig
+from forkrl.training.rules import RunRules, confine_run
 from forkrl.weights.checkpoint import latest_checkpoint
 
 DATASET_MAX_NEW_TOKENS = 1024  # max_new_tokens of a run on a JSONL dataset when none is given
@@ -47,8 +49,14 @@ def check_values(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def preflight(cfg: RunConfig) -> RunConfig:
-    """The resolved config, after the checks that need the filesystem: a bad run fails before it starts."""
+def preflight(cfg: RunConfig, rules: RunRules | None = None) -> RunConfig:
+    """The resolved config, after the checks that need the filesystem: a bad run fails before it starts.
+    With `rules` (the trainer service always passes its own) paths, rollout addresses and the reward are
+    confined first, before a custom reward is imported (forkrl/training/rules.py: NotAllowed / OutsideRoots
+    are PermissionErrors)."""
+    if rules is not None:
+        cfg = resolve(cfg)
+        cfg = cfg.model_copy(update=confine_run(cfg, rules))
     cfg = check_values(cfg)
     if not (Path(cfg.model) / "config.json").is_file():
         raise ValueError(f"model: {cfg.model!r} is not an HF checkpoint directory (no config.json)")

@@ -27,8 +27,9 @@ from forkrl.training.config import WeightSync
 class Rollouts:
     """Spreads prompts over one or more rollout services and pushes weights to all of them."""
 
-    def __init__(self, addresses: list[str]) -> None:
-        self.clients = [RolloutClient(a) for a in addresses]
+    def __init__(self, addresses: list[str], token: str | None = None) -> None:
+        """`token`: the services' bearer token (None: from the environment, forkrl.security.load_token)."""
+        self.clients = [RolloutClient(a, token=token) for a in addresses]
         self.pool = ThreadPoolExecutor(max_workers=len(self.clients))
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from forkrl.security import http_headers
 from tests.service_fixtures import REPO_ROOT, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.isolated]  # its own stack, ports and data dir
@@ -63,7 +64,8 @@ def _stack_on_free_ports(data: Path, attempts: int = 3) -> Iterator:
     for attempt in range(attempts):
         ports = {f"{n}_PORT": str(free_port()) for n in ("ROLLOUT", "TRAINER", "PROBE")}
         try:
-            stack = Stack(data_dir=data, echo=False, timeout=600, env=ports).start()
+            # FORKRL_TOKEN="" (not the suite's token): the stack must create its own and hand it out
+            stack = Stack(data_dir=data, echo=False, timeout=600, env={**ports, "FORKRL_TOKEN": ""}).start()
         except StackError as e:
             if attempt + 1 < attempts and _PORT_TAKEN.search(str(e)):
                 continue
@@ -94,7 +96,12 @@ def test_stack_run_probe_and_clean_shutdown(tmp_path: Path, tiny_model_dir: Path
                "--num-steps", "2", "--save-every", "1", "--prompts-per-step", "8", "--group-size", "4",
                "--eval-prompts", "0", "--run-dir", str(run_dir), "--model", str(data / "models" / "tiny"),
                "--rollout-addresses", addr["rollout"], "--trainer-address", addr["trainer"]]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        # the token compose.yaml's one-shot `token` service created: private, and what every service requires
+        assert stack.token_file.stat().st_mode & 0o777 == 0o600 and stack.token == stack.token_file.read_text().strip()
+        assert httpx.get(f"{addr['probe']}/probe", timeout=30).status_code == 401
+        assert httpx.get(f"{addr['probe']}/healthz", timeout=30).status_code == 200
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+                              env=stack.client_env())
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
         train = [m for m in lines if m["kind"] == "train"]
@@ -104,7 +111,8 @@ def test_stack_run_probe_and_clean_shutdown(tmp_path: Path, tiny_model_dir: Path
 
         body = {"checkpoint_root": str(run_dir / "checkpoints"), "steps": [1], "include_final": True,
                 "num_prompts": 4, "group_size": 4, "max_positions_per_group": 4, "seed": 0}
-        resp = httpx.post(f"{addr['probe']}/probe", params={"wait": "true"}, json=body, timeout=600)
+        auth = http_headers(stack.token)
+        resp = httpx.post(f"{addr['probe']}/probe", params={"wait": "true"}, json=body, timeout=600, headers=auth)
         assert resp.status_code == 200, resp.text[:2000]
         summary = resp.json()
         labels = [c["label"] for c in summary["checkpoints"]]
@@ -115,7 +123,7 @@ def test_stack_run_probe_and_clean_shutdown(tmp_path: Path, tiny_model_dir: Path
         for r in results:
             med = r["grad_norm"]["median"]
             assert med is None or (math.isfinite(med) and med > 0)
-        missing = httpx.post(f"{addr['probe']}/probe", json={**body, "steps": [7]}, timeout=60)
+        missing = httpx.post(f"{addr['probe']}/probe", json={**body, "steps": [7]}, timeout=60, headers=auth)
         assert missing.status_code == 404 and "available_steps" in missing.text
     leftover = [p for p in pids if _alive(p)]
     assert pids and not leftover, f"processes left running after the stack stopped: {leftover}"

@@ -25,6 +25,7 @@ import torch
 import uvicorn
 from safetensors.torch import load_file, save_file
 
+from forkrl.security import http_headers
 from probe_service.app import create_app
 from probe_service.config import ProbeSettings
 from tests.service_fixtures import build_random_llama, wait_until
@@ -110,7 +111,7 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     try:
         wait_until(lambda: server.started or not thread.is_alive(), 30, "the probe server to start")
         assert server.started, "the probe server exited at start-up"
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300, headers=http_headers()) as client:
             yield {"client": client, "root": root, "allowed": allowed, "outside": outside, "jobs": tmp / "jobs",
                    "tmp": tmp}
     finally:

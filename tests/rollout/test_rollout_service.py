@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 
 from forkrl.clients.rollout import RolloutClient
+from forkrl.security import grpc_channel
 from forkrl.weights.wire import pack_state_dict
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
@@ -287,7 +288,7 @@ def test_failed_updates_keep_the_old_weights(client: RolloutClient, service: Ser
             release.wait(60)
 
     try:
-        with grpc.insecure_channel(service) as ch:
+        with grpc_channel(service) as ch:
             stub = pb_grpc.RolloutServiceStub(ch)
             corrupt = ("f" if sha[0] != "f" else "0") + sha[1:]
             with pytest.raises(grpc.RpcError) as e:
@@ -323,7 +324,7 @@ def test_cancel_aborts_the_engine_requests(client: RolloutClient):
 def test_health_is_not_serving_during_a_swap(client: RolloutClient, service: ServiceAddress, hf,
                                               restores_base_weights):
     statuses: list[int] = []
-    with grpc.insecure_channel(service) as ch:
+    with grpc_channel(service) as ch:
         watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
 
         def collect() -> None:

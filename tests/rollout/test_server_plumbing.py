@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from grpc_health.v1 import health_pb2
 from safetensors.torch import load_file, save_file
 
 from forkrl.clients.rollout import RolloutClient
+from forkrl.security import grpc_channel
 from forkrl.seeds import sample_seed
 from forkrl.weights.safetensors import checkpoint_files
 from forkrl.weights.wire import pack_state_dict
@@ -113,7 +115,8 @@ class ServerThread:
     set (at once unless `hold_load`)."""
 
     def __init__(self, model_dir: Path, staging_dir: Path, hold_load: bool = False) -> None:
-        self.settings = RolloutSettings(model=str(model_dir), port=0, staging_dir=str(staging_dir))
+        self.settings = RolloutSettings(model=str(model_dir), port=0, staging_dir=str(staging_dir),
+                                        allowed_roots=[tempfile.gettempdir()])
         self.staging_dir = staging_dir
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -258,7 +261,7 @@ def test_generate_rejects_bad_fields(client: RolloutClient, kwargs: dict, messag
 
 
 def test_missing_sampling_and_prompt_without_input(server: ServerThread):
-    with grpc.insecure_channel(server.address) as ch:
+    with grpc_channel(server.address) as ch:
         stub = pb_grpc.RolloutServiceStub(ch)
         for req, message in [
             (pb.GenerateRequest(prompts=[pb.Prompt(text="a")]), "sampling is required"),
@@ -318,7 +321,7 @@ def test_update_weights_validation(server: ServerThread, client: RolloutClient):
     version, rejected, reloads = info.version, info.counters.rejected_weight_updates, info.counters.weight_reloads
     assert server.backend is not None
     reloaded_before = len(server.backend.reloaded)
-    with grpc.insecure_channel(server.address) as ch:
+    with grpc_channel(server.address) as ch:
         stub = pb_grpc.RolloutServiceStub(ch)
         msgs = _messages(good, version + 1)
         cases = [
@@ -406,7 +409,7 @@ def test_cancelled_stream_changes_nothing(server: ServerThread, client: RolloutC
         release.wait(30)  # never sends the rest: the call is cancelled meanwhile
 
     try:
-        with grpc.insecure_channel(server.address) as ch:
+        with grpc_channel(server.address) as ch:
             fut = pb_grpc.RolloutServiceStub(ch).UpdateWeights.future(slow(), timeout=30)
             # the header passed the checks and the service is staging the payload: cancel mid-stream
             wait_until(server.staged, 10, "a staging file")
@@ -485,7 +488,7 @@ def test_a_cancel_during_the_reload_still_commits_the_version(own_server: Server
     assert backend is not None
     new = {k: v * 4 for k, v in MODEL.items()}
     backend.reload_gate = own_server.event()
-    with RolloutClient(own_server.address, timeout_s=20) as client, grpc.insecure_channel(own_server.address) as ch:
+    with RolloutClient(own_server.address, timeout_s=20) as client, grpc_channel(own_server.address) as ch:
         fut = pb_grpc.RolloutServiceStub(ch).UpdateWeights.future(iter(_messages(new, 1)), timeout=30)
         try:
             wait_until(lambda: backend.reloads_started == 1, 10, "the reload to start")
@@ -511,7 +514,7 @@ def test_a_cancel_while_draining_still_reloads_the_staged_weights(own_server: Se
     assert backend is not None
     backend.sample_gate, backend.hold_from_sample = own_server.event(), 0
     new = {k: v * 5 for k, v in MODEL.items()}
-    with RolloutClient(own_server.address, timeout_s=20) as client, grpc.insecure_channel(own_server.address) as ch:
+    with RolloutClient(own_server.address, timeout_s=20) as client, grpc_channel(own_server.address) as ch:
         sampler = threading.Thread(target=lambda: list(client.generate([[1]], n=1, max_new_tokens=1)))
         sampler.start()
         try:
@@ -563,7 +566,7 @@ def test_samples_finishing_together_share_a_message(server: ServerThread):
                              sampling=pb.SamplingParams(n=3, max_new_tokens=3, seed=0))
     responses: list[pb.GenerateResponse] = []
     try:
-        with grpc.insecure_channel(server.address) as ch:
+        with grpc_channel(server.address) as ch:
             call = threading.Thread(
                 target=lambda: responses.extend(pb_grpc.RolloutServiceStub(ch).Generate(req, timeout=10))
             )

@@ -23,7 +23,8 @@ def rollout_address(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
 
 @pytest.fixture(scope="session")
 def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    runs_root = tmp_path_factory.mktemp("runs")
-    with start_trainer_service(runs_root, log_path=runs_root.parent / "trainer.log",
+    # the session's temporary root: the run dirs of the tests (under their tmp_path) lie inside it
+    runs_root = tmp_path_factory.getbasetemp()
+    with start_trainer_service(runs_root, log_path=tmp_path_factory.mktemp("trainer") / "trainer.log",
                                expect_clean_stop=True) as address:
         yield address, runs_root

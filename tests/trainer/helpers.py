@@ -15,8 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
-
+from forkrl.security import grpc_channel
 from forkrl.training.config import RunConfig, to_proto
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.service_fixtures import REPO_ROOT
@@ -27,7 +26,7 @@ START_RUN = str(REPO_ROOT / "clients" / "start_run.py")
 
 @contextlib.contextmanager
 def trainer_stub(address: str) -> Iterator[trainer_pb2_grpc.TrainerServiceStub]:
-    with grpc.insecure_channel(address) as channel:
+    with grpc_channel(address) as channel:
         yield trainer_pb2_grpc.TrainerServiceStub(channel)
 
 

@@ -11,11 +11,11 @@ import subprocess
 import threading
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
 from forkrl.data.tasks import DEFAULT_TASK, TASKS
+from forkrl.security import grpc_channel
 from forkrl.weights.checkpoint import latest_checkpoint, read_state
 from forkrl.wire.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from forkrl.wire.trainer.v1 import trainer_pb2
@@ -38,7 +38,7 @@ def logp_ceiling(tiny_model_dir: Path) -> float:
 
 
 def _rollout_version(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
+    with grpc_channel(address) as ch:
         return rollout_pb2_grpc.RolloutServiceStub(ch).GetInfo(rollout_pb2.GetInfoRequest(), timeout=30).version
 
 
@@ -96,7 +96,7 @@ def test_three_step_run_through_the_client(rollout_address, trainer, tiny_model_
     assert changed, "training did not change any weight"
     # vLLM loads the checkpoint: LoadWeights through the real engine
     version = _rollout_version(rollout_address)
-    with grpc.insecure_channel(rollout_address) as ch:
+    with grpc_channel(rollout_address) as ch:
         resp = rollout_pb2_grpc.RolloutServiceStub(ch).LoadWeights(
             rollout_pb2.LoadWeightsRequest(path=str(final), target_version=version + 1), timeout=120
         )

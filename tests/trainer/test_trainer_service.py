@@ -139,12 +139,12 @@ def test_every_loss_runs_a_step_with_and_without_the_mask(loss, rollout_address,
 def test_resume_after_kill_9_gives_the_same_weights(rollout_address, tiny_model_dir, tmp_path) -> None:
     base = dict(model=str(tiny_model_dir), rollout_addresses=[rollout_address], num_steps=6, save_every=2,
                 entropy_top_frac=0.2, **SMALL)
-    with start_trainer_service(tmp_path / "runs_a", log_path=tmp_path / "a.log") as address:
+    with start_trainer_service(tmp_path, log_path=tmp_path / "a.log") as address:
         _, _, run = run_to_end(address, RunConfig(run_dir=str(tmp_path / "straight"), **base))
         assert run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
 
     resumed_dir = tmp_path / "resumed"
-    with start_trainer_service(tmp_path / "runs_b", log_path=tmp_path / "b.log") as address:
+    with start_trainer_service(tmp_path, log_path=tmp_path / "b.log") as address:
         with trainer_stub(address) as stub:
             stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(RunConfig(run_dir=str(resumed_dir), **base))),
                           timeout=60)
@@ -155,7 +155,7 @@ def test_resume_after_kill_9_gives_the_same_weights(rollout_address, tiny_model_
     killed_at = read_state(latest_checkpoint(resumed_dir))["step"]
     assert killed_at in (2, 4) and not (resumed_dir / "checkpoints" / "final").exists()
 
-    with start_trainer_service(tmp_path / "runs_c", log_path=tmp_path / "c.log") as address:
+    with start_trainer_service(tmp_path, log_path=tmp_path / "c.log") as address:
         _, items, run = run_to_end(address, RunConfig(run_dir=str(resumed_dir), resume=True, **base))
         assert run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
         assert [i.metrics.step for i in items if i.HasField("metrics")] == list(range(killed_at + 1, 7))
@@ -175,7 +175,7 @@ def test_sigterm_stops_the_active_run_with_a_checkpoint(rollout_address, tiny_mo
     run_dir = tmp_path / "run"
     cfg = RunConfig(model=str(tiny_model_dir), rollout_addresses=[rollout_address], num_steps=1000,
                     run_dir=str(run_dir), **SMALL)
-    with start_trainer_service(tmp_path / "runs", log_path=tmp_path / "trainer.log") as address:
+    with start_trainer_service(tmp_path, log_path=tmp_path / "trainer.log") as address:
         with trainer_stub(address) as stub:
             started = stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(cfg)), timeout=60)
             wait_until(lambda: stub.GetRun(trainer_pb2.GetRunRequest(run_id=started.run_id), timeout=10).step >= 2,

@@ -136,3 +136,28 @@ def test_kept_out_reports_each_sequences_kept_completion_tokens(scope: str) -> N
         [forking_token_mask(e, r, 0.2) for e, r in zip(ents, resp, strict=True)]
     want = [mk.mask[i][r[i]] for mk, r in zip(masks, resp, strict=True) for i in range(len(r))]
     assert all(torch.equal(a, b) for a, b in zip(kept, want, strict=True))
+
+
+@pytest.mark.parametrize("rho,scope", [(None, "microbatch"), (0.2, "microbatch"), (0.3, "step")])
+def test_a_micro_batch_of_empty_completions_is_skipped(rho: float | None, scope: str) -> None:
+    """Aborted samples come back with 0 tokens. A micro-batch of only those trains on nothing (it used to
+    raise 'response_mask has no real tokens'); the step equals the one without them, bit for bit: the same
+    micro-batches in the same order, and the denominators count only sequences with tokens."""
+    prompts, comps, lps = _trajectories(8, seed=5)
+    for i in (2, 3):  # micro-batch 1 of 4 (micro=2) is all empty
+        comps[i], lps[i] = [], []
+    adv = torch.linspace(-1, 1, 8)
+    cfg = LossConfig(name="dapo", max_len=8, entropy_top_frac=rho, mask_scope=scope)
+    with_empty, m = _update(_model(), build_batch(prompts, comps, lps, pad_id=0), adv, cfg, micro=2)
+    keep = [0, 1, 4, 5, 6, 7]
+    without, m_ref = _update(_model(), build_batch([prompts[i] for i in keep], [comps[i] for i in keep],
+                                                   [lps[i] for i in keep], pad_id=0), adv[keep], cfg, micro=2)
+    assert m["micro_batches"] == m_ref["micro_batches"] == 3.0
+    assert m == m_ref
+    for (name, a), b in zip(with_empty.named_parameters(), without.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    # empty completions inside a micro-batch with real ones (micro=4): trained as well, finite
+    _, m4 = _update(_model(), build_batch(prompts, comps, lps, pad_id=0), adv, cfg, micro=4)
+    assert m4["micro_batches"] == 2.0 and math.isfinite(m4["loss"]) and m4["response_tokens"] == m["response_tokens"]
+    with pytest.raises(ValueError, match="all 2 completions of the step are empty"):
+        _update(_model(), build_batch(prompts[2:4], comps[2:4], lps[2:4], pad_id=0), adv[2:4], cfg, micro=2)

@@ -1,0 +1,81 @@
+"""What a StartRun request may ask of the trainer: which files it may read, where it may write, which rollout
+services it may talk to, which reward code it may run. The trainer service builds the rules from its settings
+(trainer_service/config.py: TrainerSettings.rules) and preflight applies them before anything is read.
+
+    rules = RunRules(runs_root=Path("/data/runs").resolve(), read_roots=[Path("/data").resolve()],
+                     rollout_addresses=("127.0.0.1:50051",), allow_custom_rewards=False)
+    confine_run(cfg, rules)   # -> cfg with real paths; OutsideRoots / NotAllowed (PERMISSION_DENIED) or
+                              #    ValueError (INVALID_ARGUMENT), each naming the setting that decides
+
+Imports nothing heavy (the trainer's settings use it before torch is imported).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forkrl.security import OutsideRoots, confine_path
+
+BUILTIN_REWARD_NAMES = ("exact_match", "math_verify")  # forkrl.data.rewards.BUILTIN_REWARDS (a test checks)
+RUNS_ROOT = "the trainer's runs_root (--runs-root, TRAINER_RUNS_ROOT)"
+READ_ROOTS = "the trainer's allowed_roots (--allowed-roots, TRAINER_ALLOWED_ROOTS; runs_root counts too)"
+
+
+class NotAllowed(PermissionError):
+    """A request this trainer is not configured to accept (PERMISSION_DENIED); the message names the setting."""
+
+
+@dataclass(frozen=True)
+class RunRules:
+    runs_root: Path  # real path
+    read_roots: list[Path]  # real paths
+    rollout_addresses: tuple[str, ...] = ("127.0.0.1:50051",)
+    allow_custom_rewards: bool = False
+
+
+def address_allowed(address: str, allowed: tuple[str, ...]) -> bool:
+    """`host:port` equals an entry, or the entry is `host:*` with the same host."""
+    host, _, _ = address.strip().rpartition(":")
+    return any(address.strip() == a or (a.endswith(":*") and a[:-2] == host) for a in allowed)
+
+
+def is_forkrl_run(run_dir: Path) -> bool:
+    """A directory a forkrl run wrote: its config.json is a run config (it names rollout_addresses and loss)."""
+    try:
+        cfg = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "rollout_addresses" in cfg and "loss" in cfg
+
+
+def confine_run(cfg: Any, rules: RunRules) -> dict[str, str]:
+    """Check a RunConfig against the rules; returns the fields to replace (the real paths of model, dataset and
+    run_dir). Runs before the reward is imported and before any path is opened."""
+    if cfg.reward and cfg.reward not in BUILTIN_REWARD_NAMES and not rules.allow_custom_rewards:
+        raise NotAllowed(f"reward {cfg.reward!r}: custom rewards ('module:function') run code in the trainer; "
+                         f"this trainer accepts only {' or '.join(BUILTIN_REWARD_NAMES)}. Start it with "
+                         "--allow-custom-rewards (TRAINER_ALLOW_CUSTOM_REWARDS=true) to allow them")
+    for address in cfg.rollout_addresses:
+        if not address_allowed(address, rules.rollout_addresses):
+            raise NotAllowed(f"rollout address {address!r} is not one of the trainer's rollout_addresses "
+                             f"{list(rules.rollout_addresses)} (--rollout-addresses, TRAINER_ROLLOUT_ADDRESSES): "
+                             "the trainer sends prompts and weights only to the services it is configured with")
+    updates: dict[str, str] = {}
+    if cfg.model:
+        updates["model"] = str(confine_path(cfg.model, rules.read_roots, "model", READ_ROOTS))
+    if cfg.dataset:
+        updates["dataset"] = str(confine_path(cfg.dataset, rules.read_roots, "dataset", READ_ROOTS))
+    if cfg.run_dir:
+        run_dir = confine_path(cfg.run_dir, [rules.runs_root], "run_dir", RUNS_ROOT)
+        if run_dir == rules.runs_root:
+            raise OutsideRoots(f"run_dir {cfg.run_dir!r} is {RUNS_ROOT} itself; name a directory inside it")
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ValueError(f"run_dir {cfg.run_dir!r} is a file")
+        if run_dir.is_dir() and any(run_dir.iterdir()) and not is_forkrl_run(run_dir):
+            raise ValueError(f"run_dir {cfg.run_dir!r} is a directory that holds something other than a forkrl "
+                             "run (no run config.json); choose a new or empty directory")
+        updates["run_dir"] = str(run_dir)
+    return updates

@@ -1,0 +1,111 @@
+"""The token rules of forkrl/security.py and of the services' settings (the servers: tests/security/)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forkrl.cli import parse_settings
+from forkrl.security import (
+    check_authorization,
+    ensure_token_file,
+    http_headers,
+    is_loopback,
+    load_token,
+    main,
+    refuse_open_bind,
+    resolve_token,
+)
+from probe_service.config import ProbeSettings
+from rollout_service.config import RolloutSettings
+from tests.service_fixtures import REPO_ROOT
+from trainer_service.config import TrainerSettings
+
+
+def test_token_comes_from_the_variable_before_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "token"
+    f.write_text("  from-file\n")
+    assert load_token({"FORKRL_TOKEN": "direct", "FORKRL_TOKEN_FILE": str(f)}) == "direct"
+    assert load_token({"FORKRL_TOKEN": " ", "FORKRL_TOKEN_FILE": str(f)}) == "from-file"
+    assert load_token({}) is None
+    assert resolve_token(None, None) is None
+    with pytest.raises(ValueError, match="cannot be read"):
+        resolve_token(None, str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        resolve_token(None, str(tmp_path / "empty"))
+
+
+def test_authorization_header_must_carry_the_exact_token() -> None:
+    assert check_authorization("Bearer s3cret", "s3cret") is None
+    assert check_authorization("bearer  s3cret ", "s3cret") is None
+    for header, why in [(None, "no token"), ("", "no token"), ("s3cret", "must be 'Bearer"),
+                        ("Basic s3cret", "must be 'Bearer"), ("Bearer", "must be 'Bearer"),
+                        ("Bearer s3cre", "wrong token"), ("Bearer s3cret2", "wrong token")]:
+        problem = check_authorization(header, "s3cret")
+        assert problem is not None and why in problem and "FORKRL_TOKEN" in problem, (header, problem)
+    assert http_headers("t") == {"authorization": "Bearer t"} and http_headers("") == {}
+
+
+@pytest.mark.parametrize("host,loop", [("127.0.0.1", True), ("127.0.0.53", True), ("::1", True), ("[::1]", True),
+                                       ("localhost", True), ("0.0.0.0", False), ("::", False), ("10.0.0.2", False),
+                                       ("myhost", False)])
+def test_loopback_addresses(host: str, loop: bool) -> None:
+    assert is_loopback(host) is loop
+
+
+def test_no_token_is_refused_on_any_address_but_loopback(caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(SystemExit, match="refusing to listen on 0.0.0.0 without a token.*FORKRL_TOKEN"):
+        refuse_open_bind("trainer service", "0.0.0.0", None)
+    refuse_open_bind("trainer service", "0.0.0.0", "t")  # a token: any address
+    with caplog.at_level("WARNING"):
+        refuse_open_bind("trainer service", "127.0.0.1", None)
+    assert "NO TOKEN SET" in caplog.text
+
+
+@pytest.mark.parametrize("cls,argv", [(RolloutSettings, ["--model", "m"]), (TrainerSettings, []), (ProbeSettings, [])])
+def test_every_service_reads_forkrl_token_and_its_file(cls, argv, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORKRL_TOKEN", "env-token")
+    s = parse_settings(cls, argv)
+    assert s.auth_token() == "env-token" and "env-token" not in repr(s)  # a SecretStr: never in logs
+    monkeypatch.delenv("FORKRL_TOKEN")
+    assert parse_settings(cls, argv).auth_token() is None
+    f = tmp_path / "tok"
+    f.write_text("file-token\n")
+    monkeypatch.setenv("FORKRL_TOKEN_FILE", str(f))
+    assert parse_settings(cls, argv).auth_token() == "file-token"
+    assert parse_settings(cls, [*argv, "--token", "flag-token"]).auth_token() == "flag-token"
+
+
+def test_an_unreadable_token_file_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FORKRL_TOKEN")  # a token given directly wins over the file
+    with pytest.raises(SystemExit) as e:
+        parse_settings(TrainerSettings, ["--token-file", str(tmp_path / "nope")])
+    assert e.value.code == 2 and "token file" in capsys.readouterr().err
+
+
+def test_ensure_token_creates_a_private_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "secrets" / "token"
+    p, created = ensure_token_file(path)
+    token = path.read_text().strip()
+    assert created and p == path and len(token) >= 40 and path.stat().st_mode & 0o777 == 0o600
+    assert ensure_token_file(path) == (path, False) and path.read_text().strip() == token
+    monkeypatch.delenv("FORKRL_TOKEN")
+    other = tmp_path / "other"
+    assert main(["ensure-token", str(other)]) == 0 and other.is_file()
+    monkeypatch.setenv("FORKRL_TOKEN", "given")
+    assert main(["ensure-token", str(tmp_path / "unused")]) == 0 and not (tmp_path / "unused").exists()
+    assert main(["bogus"]) == 2
+
+
+def test_the_probe_refuses_to_start_open_on_a_public_address() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("FORKRL_TOKEN", "FORKRL_TOKEN_FILE")}
+    done = subprocess.run([sys.executable, "-m", "probe_service", "--host", "0.0.0.0", "--port", "0"], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode != 0 and "refusing to listen on 0.0.0.0 without a token" in done.stderr
