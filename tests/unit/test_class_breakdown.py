@@ -72,7 +72,7 @@ def _scored(policy: Policy, task: str, texts: list[list[str]]) -> ScoredBatch:
                                          logprobs=[-1.0] * len(ids), completion_text=text))
         groups.append(group)
     rewards = torch.tensor([[1.0, 0.0]] * len(groups))
-    return ScoredBatch(groups, problems, rewards, 1, len(groups), len(groups), 0.0, 0.0)
+    return ScoredBatch(groups, problems, rewards, rewards, 1, len(groups), len(groups), 0.0, 0.0)
 
 
 def test_policy_update_logs_the_breakdown_for_sum3_and_countdown():
