@@ -19,7 +19,8 @@ from typing import Any
 
 from forkrl.security import OutsideRoots, confine_path
 
-BUILTIN_REWARD_NAMES = ("exact_match", "countdown", "math_verify")  # forkrl.data.rewards.BUILTIN_REWARDS (a test checks)
+# forkrl.data.rewards.BUILTIN_REWARDS (a test checks)
+BUILTIN_REWARD_NAMES = ("exact_match", "countdown", "math_verify")
 RUNS_ROOT = "the trainer's runs_root (--runs-root, TRAINER_RUNS_ROOT)"
 READ_ROOTS = "the trainer's allowed_roots (--allowed-roots, TRAINER_ALLOWED_ROOTS; runs_root counts too)"
 
