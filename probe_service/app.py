@@ -11,6 +11,7 @@ GET    /probe/{id}                 status, progress, timings, error, summary whe
 GET    /probe/{id}/records         token_probe_records.jsonl (?format=json for a JSON list)
 GET    /probe/{id}/manifest        manifest.json
 GET    /probe/{id}/plot.png        ?checkpoint=<label>
+GET    /probe/{id}/overlap.png     the entropy-pattern overlap across checkpoints
 DELETE /probe/{id}                 cancel (409 once finished)
 GET    /metrics                    Prometheus text
 GET    /healthz                    open; every other route needs `authorization: Bearer <token>` when the
@@ -124,6 +125,8 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
         links = {"self": base, "records": f"{base}/records", "manifest": f"{base}/manifest"}
         for c in (job.summary or {}).get("checkpoints", []):
             links[f"plot:{c['label']}"] = f"{base}/plot.png?checkpoint={c['label']}"
+        if (job.summary or {}).get("entropy_pattern_overlap"):
+            links["overlap"] = f"{base}/overlap.png"
         return JobStatus(**job.status_dict(), links=links, summary=job.summary if job.state == "done" else None)
 
     def _output(job: Job, name: str) -> Path:
@@ -195,6 +198,11 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
         if checkpoint not in labels:
             raise HTTPException(404, f"no checkpoint {checkpoint!r} in job {job_id}; checkpoints: {labels}")
         return FileResponse(_output(job, f"plot_{checkpoint}.png"), media_type="image/png")
+
+    @api.get("/probe/{job_id}/overlap.png", response_class=FileResponse)
+    def overlap_plot(job_id: str):
+        """The entropy-pattern overlap across the job's checkpoints (jobs with frozen bins)."""
+        return FileResponse(_output(_job(job_id), "entropy_overlap.png"), media_type="image/png")
 
     @api.delete("/probe/{job_id}", response_model=JobStatus)
     def cancel(job_id: str, request: Request, response: Response) -> JobStatus:

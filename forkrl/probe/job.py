@@ -202,6 +202,10 @@ def run_probe(
     # NaN/inf are written as null (strict JSON): say how many, so a null is never a silent NaN
     summary["n_nonfinite"]["written_as_null"] = outputs.count_nonfinite(summary)
     outputs.write_json(out / outputs.SUMMARY, summary)
+    plots = [outputs.plot_name(res.info["label"]) for res in done]
+    if summary["entropy_pattern_overlap"]:
+        outputs.plot_overlap(out / outputs.OVERLAP_PLOT, summary["entropy_pattern_overlap"])
+        plots.append(outputs.OVERLAP_PLOT)
     manifests = [res.manifest for res in done]
     outputs.write_json(
         out / outputs.MANIFEST,
@@ -216,8 +220,7 @@ def run_probe(
             "versions": outputs.versions(),
             "gradient_method": sorted(methods),
             "n_records": n_records,
-            "files": [outputs.SUMMARY, outputs.RECORDS, outputs.MANIFEST]
-            + [outputs.plot_name(res.info["label"]) for res in done],
+            "files": [outputs.SUMMARY, outputs.RECORDS, outputs.MANIFEST, *plots],
             "started_at": started_at,
             "finished_at": time.time(),
             "timings_s": {"total": time.perf_counter() - t_job, **{m["label"]: m["timings_s"] for m in manifests}},

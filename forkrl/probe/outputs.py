@@ -6,6 +6,7 @@
                                or per token (record_grain "token"): token, entropy, logp, bin, grad norm(s)
     manifest.json              the parameters, what they resolved to, weight hashes, versions, timings
     plot_<checkpoint>.png      median row-gradient norm by entropy bin, correct vs incorrect
+    entropy_overlap.png        the entropy-pattern overlap across checkpoints (when bins are frozen)
 
 NaN/inf never reach a file: they are written as null, and the JSON is strict (`allow_nan=False`); the job
 counts them first (summary["n_nonfinite"]: tokens, gradient vectors left out, values written as null).
@@ -29,6 +30,7 @@ __all__ = [
     "clean",
     "count_nonfinite",
     "plot_checkpoint",
+    "plot_overlap",
     "plot_name",
     "versions",
     "write_json",
@@ -102,6 +104,26 @@ def plot_checkpoint(path: Path, label: str, results: list[dict], n_bins: int) ->
         ax.set_title(f"{target}\n[{rs}]", fontsize=8)
         ax.legend(fontsize=7)
     fig.suptitle(f"checkpoint {label}", fontsize=9)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=90), binary=True)
+
+
+OVERLAP_PLOT = "entropy_overlap.png"
+
+
+def plot_overlap(path: Path, overlap: dict) -> None:
+    """The entropy-pattern overlap per checkpoint (fraction of the reference's top-20% entropy positions that
+    stay top-20% when its responses are teacher-forced under that checkpoint)."""
+    from matplotlib.figure import Figure
+
+    labels = list(overlap["overlap"])
+    vals = [overlap["overlap"][k] if overlap["overlap"][k] is not None else float("nan") for k in labels]
+    fig = Figure(figsize=(max(3.0, 0.9 * len(labels) + 1.5), 3.2), layout="constrained")
+    ax = fig.subplots()
+    ax.plot(range(len(labels)), vals, "o-")
+    ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=7)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel(f"top-{overlap['top_frac']:.0%} entropy overlap")
+    ax.set_title(f"vs {overlap['reference']} ({overlap['n_tokens']} response tokens)", fontsize=8)
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=90), binary=True)
 
 

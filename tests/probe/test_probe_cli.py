@@ -93,6 +93,7 @@ def test_seed_usage_line_and_its_record_count(root: Path, tmp_path: Path, monkey
                for r in summary["results"])  # fmt: skip
     assert summary["bins"]["frozen_from"] == "step_000001"
     assert summary["entropy_pattern_overlap"]["overlap"]["step_000001"] == 1.0
+    assert (out / "entropy_overlap.png").is_file() and "entropy_overlap.png" in manifest["files"]
 
 
 def test_per_token_records_and_blocks(root: Path, tmp_path: Path):

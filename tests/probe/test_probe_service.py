@@ -216,6 +216,8 @@ def test_job_end_to_end_and_wait(env):
     assert [_strict(line) for line in jsonl.text.splitlines()] == records
     png = client.get(f"/probe/{job_id}/plot.png", params={"checkpoint": "step_000002"})
     assert png.status_code == 200 and png.content[:8] == b"\x89PNG\r\n\x1a\n"
+    png = client.get(f"/probe/{job_id}/overlap.png")
+    assert png.status_code == 200 and png.content[:8] == b"\x89PNG\r\n\x1a\n"
     missing_plot = client.get(f"/probe/{job_id}/plot.png", params={"checkpoint": "step_000005"})
     assert missing_plot.status_code == 404 and "step_000001" in missing_plot.json()["detail"]
     assert client.delete(f"/probe/{job_id}").status_code == 409  # already finished
