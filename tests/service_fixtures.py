@@ -308,15 +308,19 @@ def start_trainer_service(
     startup_timeout_s: float = 120.0,
     extra_env: dict[str, str] | None = None,
     expect_clean_stop: bool = False,
+    ranks: int = 1,
     **settings: object,
 ) -> contextlib.AbstractContextManager[ServiceAddress]:
     """`python -m trainer_service` on a port it binds itself, runs under `runs_root`, no TensorBoard.
     `expect_clean_stop` as for `start_rollout_service`. Unless the test says otherwise, StartRun may read models
     and datasets under the temporary directory (allowed_roots) and use any rollout service on 127.0.0.1
-    (rollout_addresses 127.0.0.1:*); run dirs must lie inside `runs_root`, as for any trainer."""
+    (rollout_addresses 127.0.0.1:*); run dirs must lie inside `runs_root`, as for any trainer. `ranks` > 1:
+    under `torchrun --standalone --nproc-per-node <ranks>` (rank 0 serves, the others follow it)."""
     settings.setdefault("allowed_roots", tempfile.gettempdir())
     settings.setdefault("rollout_addresses", "127.0.0.1:*")  # the tests' rollout services bind free ports
-    cmd = [sys.executable, "-m", "trainer_service", "--port", "0", "--runs-root", str(runs_root),
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
+        if ranks > 1 else [sys.executable]
+    cmd = [*launcher, "-m", "trainer_service", "--port", "0", "--runs-root", str(runs_root),
            "--no-tensorboard", *_flags(settings)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
 

@@ -8,6 +8,7 @@ import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,6 +21,9 @@ from forkrl.training.config import RunConfig, from_proto, to_proto
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_service.config import TrainerSettings
 from trainer_service.runs import Run, RunConflict, RunManager, UnknownRun
+
+if TYPE_CHECKING:
+    from forkrl.training.ranks import RankLink
 
 log = logging.getLogger("trainer_service")
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
@@ -107,7 +111,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 return
 
 
-async def _serve(settings: TrainerSettings) -> int:
+async def _serve(settings: TrainerSettings, link: RankLink) -> int:
     from forkrl.training.loop import run_training
     from forkrl.training.preflight import preflight
 
@@ -121,7 +125,7 @@ async def _serve(settings: TrainerSettings) -> int:
                                       ("grpc.so_reuseport", 0)])
     manager = RunManager(Path(settings.runs_root),
                          lambda run: run_training(run, device=settings.device, tensorboard=settings.tensorboard,
-                                                     token=token))
+                                                     token=token, link=link))
     rules = settings.rules()
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(
         TrainerServicer(manager, lambda cfg: preflight(cfg, rules)), server)
@@ -138,9 +142,9 @@ async def _serve(settings: TrainerSettings) -> int:
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("trainer service listening on %s:%d (runs root %s, reads %s, rollouts %s, custom rewards %s)",
-             settings.host, port, rules.runs_root, [str(r) for r in rules.read_roots],
-             list(rules.rollout_addresses), "allowed" if rules.allow_custom_rewards else "refused")
+    log.info("trainer service listening on %s:%d (runs root %s, reads %s, rollouts %s, custom rewards %s, "
+             "%d rank(s))", settings.host, port, rules.runs_root, [str(r) for r in rules.read_roots],
+             list(rules.rollout_addresses), "allowed" if rules.allow_custom_rewards else "refused", link.world_size)
     print(f"trainer service listening on {settings.host}:{port}", flush=True)
 
     stop = asyncio.Event()
@@ -160,5 +164,15 @@ def serve(settings: TrainerSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
+    from forkrl.training.ranks import follow, init_ranks
+
     torch.set_num_threads(settings.threads)
-    return asyncio.run(_serve(settings))
+    # Under torchrun (WORLD_SIZE > 1) every rank runs this: rank 0 serves, the others follow its commands.
+    link = init_ranks()
+    if link.rank != 0:
+        follow(settings.device)
+        return 0
+    try:
+        return asyncio.run(_serve(settings, link))
+    finally:
+        link.tell("exit")

@@ -13,8 +13,9 @@ its share of the globally normalized loss, so the sum is the 1-rank gradient. On
 precision is bf16 compute with fp32 master weights and fp32 gradient reduction; on CPU everything stays
 fp32. Activation checkpointing (optional) is the HF model's own (non-reentrant), applied before sharding.
 
-Not built here (docs/scaling.md): the trainer service launching ranks, sharded optimizer checkpoints with
-torch.distributed.checkpoint, streaming the gathered weights to the rollout services.
+The trainer's ranks use it through `forkrl/training/policy.py` (`load_policy` shards when the process group
+has > 1 rank) and `forkrl/training/ranks.py`. Not built (docs/scaling.md): sharded optimizer checkpoints
+with torch.distributed.checkpoint, streaming the gathered weights to the rollout services.
 """
 
 from __future__ import annotations

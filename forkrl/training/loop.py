@@ -27,6 +27,7 @@ from forkrl.data.tasks import Problem
 from forkrl.training.config import RunConfig
 from forkrl.training.metrics import MetricsSink
 from forkrl.training.policy import Policy, load_policy
+from forkrl.training.ranks import RankLink, UpdatePayload
 from forkrl.training.rollouts import Rollouts
 from forkrl.training.scoring import collect_batch, evaluate
 from forkrl.weights.checkpoint import checkpoint_name
@@ -51,12 +52,23 @@ class RunHandle(Protocol):
 
 
 def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = True,
-                 token: str | None = None) -> None:
+                 token: str | None = None, link: RankLink | None = None) -> None:
     """Run `run.config` to its end. `token`: the bearer token sent to the rollout services (None: from the
-    environment)."""
+    environment). `link`: the other ranks of a multi-rank trainer (forkrl/training/ranks.py); None or a
+    1-process link: this process alone."""
+    link = link or RankLink()
     cfg, run_dir = run.config, run.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2, sort_keys=True))
+    link.tell("start", cfg, str(run_dir))
+    try:
+        _run(run, cfg, run_dir, device, tensorboard, link, token)
+    finally:
+        link.tell("end")
+
+
+def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard: bool, link: RankLink,
+         token: str | None) -> None:
     policy = load_policy(cfg, run_dir, device)
     run.start_step = run.step = policy.start_step
     train_problems = load_problems(cfg.task or None, cfg.dataset or None, "train", TRAIN_POOL, cfg.seed)
@@ -64,7 +76,7 @@ def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = Tr
         if cfg.eval_prompts else []
     s = _Session(run, cfg, policy, DataOrder(train_problems, cfg.seed, policy.data_cursor),
                  get_reward_fn(cfg.reward), MetricsSink(run_dir, tensorboard),
-                 Rollouts(cfg.rollout_addresses, token), eval_problems)
+                 Rollouts(cfg.rollout_addresses, token), eval_problems, link)
     loss_cfg = cfg.loss_config()
     run.event("LOG", f"waiting for rollout service(s) {', '.join(cfg.rollout_addresses)}")
     s.rollouts.wait_ready()
@@ -73,7 +85,8 @@ def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = Tr
     # initial checkpoint (another model, another run's weights), push ours first.
     if policy.resumed or not s.rollouts.serve_initial(cfg.model):
         s.push()
-    run.event("STARTED", f"run {run.run_id} on {policy.device}: loss {cfg.loss}, entropy_top_frac "
+    ranks = f" x {link.world_size} ranks (FSDP2)" if link.active else ""
+    run.event("STARTED", f"run {run.run_id} on {policy.device}{ranks}: loss {cfg.loss}, entropy_top_frac "
               f"{cfg.entropy_top_frac}, {len(train_problems)} train / {len(eval_problems)} eval prompts, "
               f"from step {policy.start_step}", path=str(run_dir))
     step = policy.start_step
@@ -93,6 +106,7 @@ def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = Tr
                                           "time_step_s": time.perf_counter() - t_step})
                 continue
             t0 = time.perf_counter()
+            link.tell("update", step, UpdatePayload.of(scored))  # the other ranks train on their shares
             metrics.update(policy.update(scored, loss_cfg))  # advantages, masked loss, AdamW
             t_train = time.perf_counter() - t0
             t_push = s.push()  # the rollout serves the new policy before the next step samples
@@ -126,11 +140,16 @@ class _Session:
     sink: MetricsSink
     rollouts: Rollouts
     eval_problems: list[Problem]
+    link: RankLink
     version: int = 0
+
+    def full_state(self) -> dict:
+        self.link.tell("state")  # every rank joins the gather of a sharded model
+        return self.policy.full_state()
 
     def push(self) -> float:
         self.version += 1
-        return self.rollouts.push(self.policy.model, self.version, self.cfg.weight_sync, self.run.run_dir)
+        return self.rollouts.push(self.full_state(), self.version, self.cfg.weight_sync, self.run.run_dir)
 
     def report(self, step: int, metrics: dict[str, float]) -> None:
         self.sink.write(step, metrics)
@@ -146,7 +165,8 @@ class _Session:
         self.run.event("EVAL", f"eval on {len(self.eval_problems)} prompts", step=step, values=res)
 
     def checkpoint(self, step: int, name: str) -> None:
+        full = self.full_state() if self.link.active else None
         path = self.policy.save(self.run.run_dir, name, {
             "step": step, "data_cursor": self.data.cursor, "run_id": self.run.run_id,
-            "config": self.cfg.model_dump(), "policy_version": self.version})
+            "config": self.cfg.model_dump(), "policy_version": self.version}, full)
         self.run.event("CHECKPOINT", f"saved {name}", step=step, path=str(path))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from forkrl.data.tasks import TASKS, token_classes
 from forkrl.rl.advantages import compute_advantages
@@ -26,6 +27,7 @@ from forkrl.rl.losses import LossConfig
 from forkrl.rl.step import build_batch
 from forkrl.seeds import run_seed
 from forkrl.training.config import RunConfig
+from forkrl.training.distributed import full_state_dict, shard_model
 from forkrl.training.metrics import class_breakdown
 from forkrl.training.scoring import ScoredBatch
 from forkrl.weights.checkpoint import latest_checkpoint, load_optimizer_state, read_state, save_checkpoint
@@ -50,6 +52,7 @@ class Policy:
     data_cursor: int  # prompts already drawn (DataOrder cursor) at start_step
     resumed: bool
     token_texts: dict[int, str | None] = field(default_factory=dict)  # token id -> decoded text (None: EOS)
+    world_size: int = 1  # > 1: the model is sharded with FSDP2 over the ranks (forkrl/training/ranks.py)
 
     @property
     def pad_id(self) -> int:
@@ -97,7 +100,22 @@ class Policy:
             self.token_texts[token_id] = None if eos else self.tokenizer.decode([token_id])
         return self.token_texts[token_id]
 
-    def save(self, run_dir: Path, name: str, state: dict[str, Any]) -> Path:
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The full fp32 weights; sharded: gathered (every rank must call), on rank 0 only ({} elsewhere)."""
+        if self.world_size > 1:
+            return full_state_dict(self.model)
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def save(self, run_dir: Path, name: str, state: dict[str, Any],
+             full_state: dict[str, torch.Tensor] | None = None) -> Path:
+        """Rank 0 writes the checkpoint. Sharded: pass `full_state()` (gathered by every rank first); the
+        optimizer state is then not written (sharded optimizer checkpoints are not built) and the checkpoint
+        says so, so that a resume refuses it rather than restart AdamW silently."""
+        if self.world_size > 1:
+            if not full_state:
+                raise ValueError("a sharded policy saves its gathered full_state() (on rank 0)")
+            state = dict(state, optimizer_saved=False, world_size=self.world_size)
+            return save_checkpoint(run_dir, name, self.model, self.tokenizer, None, state, model_state=full_state)
         return save_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state)
 
 
@@ -105,11 +123,16 @@ def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto") -> Policy:
     """The initial policy of cfg.model, or with cfg.resume the latest complete checkpoint in run_dir."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    world = dist.get_world_size() if dist.is_initialized() else 1
     resume_from = latest_checkpoint(run_dir) if cfg.resume else None
     start_step, cursor = 0, 0
     load_dir = Path(cfg.model)
     if resume_from is not None:
         state = read_state(resume_from)
+        if world > 1 or state.get("optimizer_saved") is False:
+            raise ValueError(f"cannot resume from {resume_from} with {world} rank(s): resuming a sharded run "
+                             "needs sharded optimizer checkpoints, which are not built (docs/scaling.md); "
+                             "start a new run from the checkpoint's weights with --model instead")
         start_step, cursor = int(state["step"]), int(state["data_cursor"])
         load_dir = resume_from
     torch.manual_seed(run_seed("torch", cfg.seed))
@@ -117,7 +140,11 @@ def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto") -> Policy:
     tokenizer = AutoTokenizer.from_pretrained(load_dir)
     model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch.float32, use_safetensors=True)
     dev = pick_device(device)
+    if world > 1 and dev.type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())  # init_ranks set it to LOCAL_RANK
     model.to(dev)  # fp32 master weights; the engine may serve bf16 (pushed fp32 tensors are cast)
+    if world > 1:
+        model = shard_model(model, dev)  # FSDP2 per decoder layer + root; the optimizer holds the shards
     ref_model = None
     if cfg.kl_beta > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, use_safetensors=True)
@@ -126,4 +153,5 @@ def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto") -> Policy:
                                   weight_decay=cfg.weight_decay, eps=1e-8)
     if resume_from is not None:
         load_optimizer_state(resume_from, model, optimizer)
-    return Policy(cfg, model, tokenizer, optimizer, ref_model, dev, start_step, cursor, resume_from is not None)
+    return Policy(cfg, model, tokenizer, optimizer, ref_model, dev, start_step, cursor, resume_from is not None,
+                  world)

@@ -69,9 +69,12 @@ class Rollouts:
         want = Path(model_dir).resolve()
         return all(i.version == 0 and Path(i.model).resolve() == want for i in (c.info() for c in self.clients))
 
-    def push(self, model: torch.nn.Module, version: int, mode: WeightSync, run_dir: Path) -> float:
-        """Send the model's weights as `version` to every service; returns the seconds it took."""
-        state = {k: v.detach() for k, v in model.state_dict().items()}
+    def push(self, model: torch.nn.Module | dict[str, torch.Tensor], version: int, mode: WeightSync,
+             run_dir: Path) -> float:
+        """Send the weights (a model, or its full state dict) as `version` to every service; returns the
+        seconds it took."""
+        items = model.items() if isinstance(model, dict) else model.state_dict().items()
+        state = {k: v.detach() for k, v in items}
         t0 = time.perf_counter()
         if mode == "path":
             from safetensors.torch import save

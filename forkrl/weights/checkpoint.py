@@ -44,10 +44,13 @@ def save_checkpoint(
     tokenizer: Any,
     optimizer: torch.optim.Optimizer | None,
     state: dict[str, Any],
+    model_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `<run_dir>/checkpoints/<name>` atomically and return its path.
 
     `state` must be JSON-serializable (step, data cursor, config, ...). The torch RNG state is added here.
+    `model_state`: the weights to write instead of `model.state_dict()` (the full state gathered from an
+    FSDP2 model, forkrl/training/distributed.py).
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -56,7 +59,7 @@ def save_checkpoint(
         shutil.rmtree(stale, ignore_errors=True)
     final = root / name
     with atomic_dir(final) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         extra_tensors: dict[str, torch.Tensor] = {"__torch_rng_state__": torch.get_rng_state()}

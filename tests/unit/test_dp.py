@@ -49,3 +49,22 @@ def test_world_size_one_is_train_step_bit_for_bit() -> None:
     assert ma == mb
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_a_checkpoint_without_optimizer_state_is_not_resumed(tiny_model_dir, tmp_path) -> None:
+    # What a multi-rank run writes (Policy.save with world size > 1): the full model, no AdamW moments.
+    # Resuming it would restart AdamW silently, so load_policy refuses and says what to do instead.
+    from transformers import AutoModelForCausalLM
+
+    from forkrl.training.config import RunConfig
+    from forkrl.training.policy import load_policy
+    from forkrl.weights.checkpoint import save_checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    run_dir = tmp_path / "run"
+    save_checkpoint(run_dir, "step_000001", model, None, None,
+                    {"step": 1, "data_cursor": 8, "optimizer_saved": False, "world_size": 2},
+                    model_state={k: v.detach() for k, v in model.state_dict().items()})
+    cfg = RunConfig(model=str(tiny_model_dir), run_dir=str(run_dir), resume=True)
+    with pytest.raises(ValueError, match="sharded optimizer checkpoints, which are not built"):
+        load_policy(cfg, run_dir, "cpu")

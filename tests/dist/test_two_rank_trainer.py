@@ -1,0 +1,70 @@
+"""The trainer service on 2 ranks (torchrun, gloo, FSDP2) runs a 3-step masked run through
+clients/start_run.py, and its first step equals a 1-rank trainer's on the same samples.
+
+Both trainers train the embedded tiny model against one real rollout service. Rank 0 serves gRPC, talks to
+the rollout service and writes metrics and checkpoints; rank 1 follows its commands
+(forkrl/training/ranks.py). Step 1 samples the same trajectories in both runs (same initial weights, same
+seeds), so its step metrics agree to float32 rounding (REL, the bound of tests/dist/test_dp_equals_one_rank.py);
+later steps sample from weights that differ by rounding and are not compared.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from forkrl.weights.checkpoint import read_state
+from tests.service_fixtures import start_rollout_service, start_trainer_service
+from tests.trainer.helpers import metric_lines, start_run_argv, trainer_rollout_logp_ceiling
+
+pytestmark = [pytest.mark.slow, pytest.mark.isolated]
+REL = 1e-5
+STEP_KEYS = ("loss", "pg_loss", "grad_norm", "kept_frac", "entropy_mean", "entropy_kept_mean", "mask_threshold",
+             "logp_delta_mean", "clip_frac_low", "clip_frac_high")
+
+
+def _run(address: str, rollout: str, model: Path, run_dir: Path) -> subprocess.CompletedProcess:
+    cmd = start_run_argv(
+        "--entropy-top-frac", "0.2", "--num-steps", "3", "--prompts-per-step", "8", "--group-size", "4",
+        "--eval-prompts", "0", "--micro-batch-size", "16", "--save-every", "3", "--run-dir", str(run_dir),
+        "--model", str(model), "--rollout-addresses", rollout, "--trainer-address", address)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+
+
+def test_a_two_rank_trainer_runs_and_its_first_step_equals_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
+    ceiling = trainer_rollout_logp_ceiling(tiny_model_dir)
+    with start_rollout_service(tiny_model_dir, seed=0, staging_dir=tmp_path / "staging",
+                               log_path=tmp_path / "rollout.log") as rollout:
+        with start_trainer_service(tmp_path / "runs1", log_path=tmp_path / "trainer1.log") as one:
+            p1 = _run(one, rollout, tiny_model_dir, tmp_path / "one")
+        assert p1.returncode == 0, p1.stderr[-3000:]
+        with start_trainer_service(tmp_path / "runs2", log_path=tmp_path / "trainer2.log", ranks=2) as two:
+            p2 = _run(two, rollout, tiny_model_dir, tmp_path / "two")
+            assert p2.returncode == 0, p2.stderr[-3000:] + (tmp_path / "trainer2.log").read_text()[-4000:]
+    assert "succeeded" in p2.stdout
+    assert "rank 1: run started" in (tmp_path / "trainer2.log").read_text()  # rank 1 followed rank 0
+
+    lines1, lines2 = metric_lines(tmp_path / "one"), metric_lines(tmp_path / "two")
+    assert [m["step"] for m in lines2] == [1, 2, 3]
+    for m in lines2:
+        # 32 trajectories in micro-batches of 16: each global micro-batch keeps exactly ceil(N_j / 5)
+        # tokens over both ranks, so the step keeps between ceil(N/5) and ceil(N/5) + 1
+        n = int(m["response_tokens"])
+        assert m["micro_batches"] == 2
+        assert max(1, -(-n // 5)) <= m["kept_tokens"] <= max(1, -(-n // 5)) + 1
+        assert m["logp_delta_max"] <= ceiling  # the rollout served exactly the weights gathered from the shards
+    a, b = lines1[0], lines2[0]
+    assert (a["response_tokens"], a["kept_tokens"]) == (b["response_tokens"], b["kept_tokens"])
+    for k in STEP_KEYS:
+        assert abs(a[k] - b[k]) <= REL * max(1.0, abs(a[k])), (k, a[k], b[k])
+
+    final = tmp_path / "two" / "checkpoints" / "final"
+    state = read_state(final)
+    assert state["step"] == 3 and state["world_size"] == 2 and state["optimizer_saved"] is False
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
