@@ -16,7 +16,9 @@ Exit status: 0 when the run succeeded (or was stopped on request / detached), 1 
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -100,6 +102,34 @@ def _fmt(values: dict, key: str, spec: str) -> str:
     return format(values[key], spec) if key in values else "-"
 
 
+def _in_background(stream):
+    """The stream's items, read by a daemon thread: the main thread waits on a queue in short slices, so a
+    Ctrl-C (KeyboardInterrupt) arrives here, in our code, never inside gRPC's own locks (where it could leave
+    the stream's lock held and the cancel that follows would hang). The reader's RpcError is re-raised."""
+    items: queue.Queue = queue.Queue()
+    done = object()
+
+    def read() -> None:
+        try:
+            for item in stream:
+                items.put(item)
+        except Exception as exc:  # grpc.RpcError (also the CANCELLED after our own cancel)
+            items.put(exc)
+        items.put(done)
+
+    threading.Thread(target=read, name="watch-run", daemon=True).start()
+    while True:
+        try:
+            item = items.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if item is done:
+            return
+        if isinstance(item, Exception):
+            raise item
+        yield item
+
+
 def follow(stub, pb2, run_id: str, num_steps: int, start_step: int, detach_hint: bool = True) -> int:
     """Stream WatchRun into a progress bar; returns the exit status."""
     import grpc
@@ -109,7 +139,7 @@ def follow(stub, pb2, run_id: str, num_steps: int, start_step: int, detach_hint:
     final_state, error = None, ""
     stream = stub.WatchRun(pb2.WatchRunRequest(run_id=run_id))
     try:
-        for item in stream:
+        for item in _in_background(stream):
             if item.HasField("metrics"):
                 m = item.metrics
                 v = dict(m.values)
