@@ -51,8 +51,8 @@ class Policy:
     start_step: int  # 0, or the step of the checkpoint resumed from
     data_cursor: int  # prompts already drawn (DataOrder cursor) at start_step
     resumed: bool
-    token_texts: dict[int, str | None] = field(default_factory=dict)  # token id -> decoded text (None: EOS)
     world_size: int = 1  # > 1: the model is sharded with FSDP2 over the ranks (forkrl/training/ranks.py)
+    token_texts: dict[int, str | None] = field(default_factory=dict)  # token id -> decoded text (None: EOS)
 
     @property
     def pad_id(self) -> int:
