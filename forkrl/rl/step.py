@@ -174,7 +174,8 @@ def train_step(
         with torch.no_grad():
             resp = mb.response_mask
             if kept_out is not None:  # completion targets are contiguous per row: row r's in order
-                kept_out.extend(token_mask[r][resp[r]].cpu() for r in range(len(mb)))
+                tm, rm = token_mask.cpu(), resp.cpu()  # one transfer per micro-batch
+                kept_out.extend(tm[r][rm[r]] for r in range(len(mb)))
             all_ent.append(ent[resp])
             kept_ent.append(ent[token_mask])
             delta = (logp.detach() - mb.rollout_logp).abs()
