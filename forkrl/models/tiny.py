@@ -416,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="output dir (forkrl/models/default with --force re-blesses the committed default)")
     build.add_argument("--seed", type=int, default=0, help="seed for init, data order and sampling")
     build.add_argument("--force", action="store_true", help="rebuild even if --out holds the same build")
+    build.add_argument("--task", default=BuildConfig.task, help="built-in task of the warm start (e.g. countdown)")
     install = sub.add_parser("install", help=f"copy the committed default (the same bytes everywhere; ${MODEL_DIR_ENV} "
                              "instead when set) into --out")
     install.add_argument("--out", type=Path, required=True, help="output dir (reused when it holds the same files)")
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "install":
         out = install_default(args.out, default_model_dir())
     else:
-        out = build_tiny_model(args.out, seed=args.seed, force=args.force)
+        out = build_tiny_model(args.out, seed=args.seed, force=args.force, config=BuildConfig(task=args.task))
     record = read_build_record(out)
     assert record is not None
     acc = record["accuracy"]

@@ -291,9 +291,9 @@ def train_step(
         rows = [torch.zeros(0, dtype=torch.bool)] * n  # a skipped (all-empty) micro-batch's rows keep nothing
         for k, (bounds, mbs) in enumerate(zip(plan, micros, strict=True)):
             for j, ((a, _), mb) in enumerate(zip(bounds, mbs, strict=True)):
-                token_mask, resp = acc.kept[(k, j)], mb.response_mask
+                tm, rm = acc.kept[(k, j)].cpu(), mb.response_mask.cpu()  # one transfer per micro-batch
                 for r in range(len(mb)):
-                    rows[a + r] = token_mask[r][resp[r]].cpu()
+                    rows[a + r] = tm[r][rm[r]]
         kept_out.extend(rows)
 
     sums = acc.sums

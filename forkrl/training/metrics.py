@@ -23,6 +23,8 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from forkrl.data.problem import TOKEN_CLASSES
+
 
 class MetricsSink:
     """metrics.jsonl (always) + TensorBoard (optional). Lines are flushed per step: nothing lost on a crash."""
@@ -76,7 +78,9 @@ def mean_class_breakdown(lines: Sequence[dict]) -> dict[str, dict[str, float | N
     (train steps of metrics.jsonl), the rate over the steps where the class occurred (None: never). {} without a
     breakdown."""
     out: dict[str, dict[str, float]] = {}
-    classes = [k.removeprefix("all_share_") for k in (lines[0] if lines else {}) if k.startswith("all_share_")]
+    present = [k.removeprefix("all_share_") for k in (lines[0] if lines else {}) if k.startswith("all_share_")]
+    order = {c: i for i, c in enumerate(TOKEN_CLASSES)}  # metrics.jsonl sorts its keys: back to the class order
+    classes = sorted(present, key=lambda c: (order.get(c, len(order)), c))
     for c in classes:
         rows = [m for m in lines if f"all_share_{c}" in m]
         rates = [m[f"kept_rate_{c}"] for m in rows if f"kept_rate_{c}" in m]

@@ -116,6 +116,9 @@ def test_mean_over_steps_and_the_demo_table():
     mean = mean_class_breakdown([{"step": 1, **steps[0]}, {"step": 2, **steps[1]}])
     assert mean["computed"] == {"all": (1 / 2 + 2 / 4) / 2, "kept": (1 + 1 / 2) / 2, "rate": (1 + 1 / 2) / 2}
     assert mean["other"] == {"all": (0 + 1 / 4) / 2, "kept": (0 + 1 / 2) / 2, "rate": 1.0}
+    assert list(mean) == ["computed", "eos", "other"]  # the class order, whatever the key order
+    assert list(mean_class_breakdown([dict(sorted(class_breakdown([], [], ("choice", "separator", "eos")).items()))])) \
+        == ["choice", "separator", "eos"]
     assert mean["eos"]["rate"] == 0.0 and mean_class_breakdown([{"step": 1, "kept_frac": 0.2}]) == {}
     assert mean_class_breakdown([]) == {} and class_table([{"step": 1}]) == []
     table = class_table([{"step": 1, **steps[0]}])
