@@ -111,6 +111,7 @@ def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = Tr
             t_push = s.push()  # the rollout serves the new policy before the next step samples
             if ahead is not None:
                 ahead.done(step)  # sampling may move on to step + 1 + max_staleness
+            metrics.update(s.rollouts.last_swap)  # the rollout's drain + apply: how long generation stalled
             metrics.update(policy_version=float(s.version), time_train_s=t_train, time_push_s=t_push,
                            time_step_s=time.perf_counter() - t_step, data_cursor=float(s.trained_cursor),
                            tokens_per_s=scored.response_tokens / max(scored.time_generate_s, 1e-9))

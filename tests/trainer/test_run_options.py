@@ -260,5 +260,6 @@ def test_async_rollouts_sample_ahead_within_the_staleness_bound(rollout_address,
         assert v - 2 <= m["rollout_policy_version"] <= v - 1
         assert m["data_cursor"] == 8 * m["step"]  # the trained batches' prompts, not the sampler's
         assert m["tis_weight_mean"] > 0 and m["n_updates"] == 1.0
+        assert m["swap_drain_s"] >= 0 and m["swap_apply_s"] > 0  # the stall of generation per push, measured
     state = json.loads((run_dir / "checkpoints" / "final" / "trainer_state.json").read_text())
     assert state["data_cursor"] == 32 and state["step"] == 4
