@@ -318,8 +318,9 @@ def policy_loss(
 
     Args:
         logp: [B, T] current-policy log-probs (differentiable; values at padding are ignored).
-        old_logp: [B, T] behaviour log-probs (required except for reinforce/rloo, where it only feeds the
-            ratio metrics). advantages: [B], one per sequence. response_mask: [B, T] bool.
+        old_logp: [B, T] π_old, the trainer's log-probs before the batch's first update (required except for
+            reinforce/rloo, where it only feeds the ratio metrics). advantages: [B], one per sequence.
+            response_mask: [B, T] bool.
         token_mask: [B, T] bool forking mask (subset of response_mask), or None = response_mask. Required
             when cfg.entropy_top_frac < 1 (a mask that is silently off is §6 P3).
         denom: from step_denominator() over the whole step. ref_logp: [B, T], required if kl_beta > 0

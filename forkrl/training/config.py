@@ -72,6 +72,9 @@ class RunConfig(BaseModel):
     paper: 32 of 512); 0 = all prompts, one update per step."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over the rollout batch's mini-batches per step (PPO epochs)."""
+    max_staleness: int = Field(0, ge=0)
+    """Async rollouts: sample up to this many steps ahead while the trainer trains; a trajectory is trained at
+    most this many policy versions after it was sampled (pair it with --tis-cap); 0 = sync."""
     save_every: int = Field(0, ge=0)
     """Checkpoint every N steps (0 = only the final one)."""
     run_dir: str = ""

@@ -9,6 +9,11 @@ checkpoints are written atomically (forkrl/weights/checkpoint.py).
 Determinism: the data order is a seeded permutation walked by a cursor (forkrl/data/order.py), the sampling
 seed of step s is derived from (seed, s) and the rollout service derives each sample's seed from it. With the
 same weights served, a resumed run therefore sees the same trajectories as an uninterrupted one.
+
+Async (cfg.max_staleness = k >= 1, forkrl/training/pipeline.py): the batches of the next steps are sampled on a
+second thread, at most k steps ahead, while this one trains; each batch is checked against the staleness rule
+(trainer version − the trajectory's version <= k) and dropped if it breaks it. Checkpoints store the data
+cursor of the last trained batch. With k = 0 the loop below is the sync loop, unchanged.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from forkrl.data.rewards import RewardFn, get_reward_fn
 from forkrl.data.tasks import Problem
 from forkrl.training.config import RunConfig
 from forkrl.training.metrics import MetricsSink
+from forkrl.training.pipeline import AheadCollector, staleness
 from forkrl.training.policy import Policy, load_policy
 from forkrl.training.ranks import RankLink, UpdatePayload
 from forkrl.training.rollouts import Rollouts
-from forkrl.training.scoring import collect_batch, evaluate
+from forkrl.training.scoring import ScoredBatch, collect_batch, evaluate
 from forkrl.weights.checkpoint import checkpoint_name
 
 TRAIN_POOL = 20000  # built-in task: size of the train pool the data order walks through
@@ -92,26 +98,39 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
     step = policy.start_step
     if step == 0:
         s.evaluate(0)
+    ahead = None
+    if cfg.max_staleness > 0:
+        ahead = AheadCollector(s.collect_ahead, step + 1, cfg.num_steps, cfg.max_staleness)
     try:
         while step < cfg.num_steps and not run.stop_requested.is_set():
             step += 1
             t_step = time.perf_counter()
             lr = policy.set_lr(step)
-            scored = collect_batch(s.rollouts, s.data, s.reward_fn, cfg, step)  # + DAPO dynamic sampling
+            if ahead is None:
+                scored = collect_batch(s.rollouts, s.data, s.reward_fn, cfg, step)  # + DAPO dynamic sampling
+            else:
+                scored, s.cursor = ahead.get(step)
             metrics = scored.metrics()
             metrics.update(time_generate_s=scored.time_generate_s, time_score_s=scored.time_score_s, lr=lr)
+            if ahead is not None:
+                metrics.update(s.check_staleness(scored, step), time_wait_s=time.perf_counter() - t_step)
             if not scored.groups:
-                run.event("LOG", "no group of mixed correctness after dynamic sampling; step skipped", step=step)
+                run.event("LOG", "no group to train on (dynamic sampling or staleness); step skipped", step=step)
                 s.report(step, metrics | {"policy_version": float(s.version),
                                           "time_step_s": time.perf_counter() - t_step})
+                if ahead is not None:
+                    ahead.done(step)
                 continue
             t0 = time.perf_counter()
             link.tell("update", step, UpdatePayload.of(scored))  # the other ranks train on their shares
             metrics.update(policy.update(scored, loss_cfg))  # advantages, masked loss, AdamW
             t_train = time.perf_counter() - t0
             t_push = s.push()  # the rollout serves the new policy before the next step samples
+            if ahead is not None:
+                ahead.done(step)  # sampling may move on to step + 1 + max_staleness
+            metrics.update(s.rollouts.last_swap)  # the rollout's drain + apply: how long generation stalled
             metrics.update(policy_version=float(s.version), time_train_s=t_train, time_push_s=t_push,
-                           time_step_s=time.perf_counter() - t_step, data_cursor=float(s.data.cursor),
+                           time_step_s=time.perf_counter() - t_step, data_cursor=float(s.trained_cursor),
                            tokens_per_s=scored.response_tokens / max(scored.time_generate_s, 1e-9))
             s.report(step, metrics)
             if cfg.save_every and step % cfg.save_every == 0:
@@ -125,6 +144,8 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
             s.checkpoint(step, "final")
             s.evaluate(step)
     finally:
+        if ahead is not None:
+            ahead.close(timeout_s=600)
         s.sink.close()
 
 
@@ -142,6 +163,32 @@ class _Session:
     eval_problems: list[Problem]
     link: RankLink
     version: int = 0
+    cursor: int | None = None  # async: the data cursor after the last batch taken (the sampler draws ahead)
+    stale_dropped: int = 0  # async: batches dropped for breaking the staleness bound
+
+    @property
+    def trained_cursor(self) -> int:
+        """Prompts drawn up to the batch last taken by the trainer (what a checkpoint must resume from)."""
+        return self.data.cursor if self.cursor is None else self.cursor
+
+    def collect_ahead(self, step: int) -> tuple[ScoredBatch, int]:
+        """The sampler thread's job for `step` (async): its batch and the data cursor after it."""
+        scored = collect_batch(self.rollouts, self.data, self.reward_fn, self.cfg, step)
+        return scored, self.data.cursor
+
+    def check_staleness(self, scored: ScoredBatch, step: int) -> dict[str, float]:
+        """Staleness metrics of a batch; a batch with a trajectory older than max_staleness versions is emptied
+        (never trained on) and counted."""
+        ages = staleness(self.version, scored.trajectories)
+        out = {"staleness_max": float(max(ages, default=0)),
+               "staleness_mean": sum(ages) / len(ages) if ages else 0.0}
+        if ages and max(ages) > self.cfg.max_staleness:
+            self.stale_dropped += 1
+            self.run.event("LOG", f"batch {max(ages)} versions old > max_staleness {self.cfg.max_staleness}: "
+                           "dropped", step=step)
+            scored.groups, scored.problems = [], []
+        out["stale_batches_dropped"] = float(self.stale_dropped)
+        return out
 
     def full_state(self) -> dict:
         self.link.tell("state")  # every rank joins the gather of a sharded model
@@ -167,6 +214,6 @@ class _Session:
     def checkpoint(self, step: int, name: str) -> None:
         full = self.full_state() if self.link.active else None
         path = self.policy.save(self.run.run_dir, name, {
-            "step": step, "data_cursor": self.data.cursor, "run_id": self.run.run_id,
+            "step": step, "data_cursor": self.trained_cursor, "run_id": self.run.run_id,
             "config": self.cfg.model_dump(), "policy_version": self.version}, full)
         self.run.event("CHECKPOINT", f"saved {name}", step=step, path=str(path))

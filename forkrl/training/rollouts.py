@@ -31,6 +31,9 @@ class Rollouts:
         """`token`: the services' bearer token (None: from the environment, forkrl.security.load_token)."""
         self.clients = [RolloutClient(a, token=token) for a in addresses]
         self.pool = ThreadPoolExecutor(max_workers=len(self.clients))
+        # of the last push, the slowest service's: seconds it waited for in-flight samples (drain) and applied
+        # the weights; new samples wait at its gate for drain + apply (the stall of generation per push)
+        self.last_swap: dict[str, float] = {}
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         for c in self.clients:
@@ -88,7 +91,11 @@ class Rollouts:
             versions = list(self.pool.map(lambda c: c.update_weights(state, version), self.clients))
         if any(v != version for v in versions):
             raise RuntimeError(f"rollout services report versions {versions} after pushing version {version}")
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        resps = [c.last_weights_response for c in self.clients]
+        self.last_swap = {"swap_drain_s": max(r.drain_s for r in resps),
+                          "swap_apply_s": max(r.apply_s for r in resps)}
+        return elapsed
 
 
 def untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -235,3 +235,31 @@ def test_a_second_rollout_engine_synced_sharded_pushed_and_stopped(
         wait_until(lambda: not group_alive(second.process.pid), 30, "the engine processes to exit")
         with pytest.raises(grpc.RpcError):
             _info(second)
+
+
+def test_async_rollouts_sample_ahead_within_the_staleness_bound(rollout_address, trainer, tiny_model_dir,
+                                                                tmp_path) -> None:
+    """max_staleness 1: step s + 1 is sampled while step s trains; every trajectory is trained at most one
+    policy version after it was sampled, no batch is sampled past the last step, and the checkpoint stores the
+    data cursor of the last trained batch (not of the sampler, which runs ahead)."""
+    run_dir = tmp_path / "async"
+    cfg = RunConfig(model=str(tiny_model_dir), rollout_addresses=[rollout_address], run_dir=str(run_dir), seed=0,
+                    num_steps=4, prompts_per_step=8, group_size=4, entropy_top_frac=0.2, loss="dapo",
+                    max_staleness=1, tis_cap=2.0, eval_prompts=0)
+    before = _info(rollout_address).counters.samples
+    _, _, run = run_to_end(trainer[0], cfg)
+    assert run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
+    assert _info(rollout_address).counters.samples - before == 4 * 8 * 4  # exactly the 4 steps' batches
+    lines = metric_lines(run_dir)
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    versions = [int(m["policy_version"]) for m in lines]
+    assert versions == list(range(versions[0], versions[0] + 4))  # one push per step
+    for m, v in zip(lines, versions, strict=True):
+        # trained at version v - 1 (pushed v after it): sampled at v - 1 or v - 2, never older
+        assert m["staleness_max"] <= 1 and m["stale_batches_dropped"] == 0
+        assert v - 2 <= m["rollout_policy_version"] <= v - 1
+        assert m["data_cursor"] == 8 * m["step"]  # the trained batches' prompts, not the sampler's
+        assert m["tis_weight_mean"] > 0 and m["n_updates"] == 1.0
+        assert m["swap_drain_s"] >= 0 and m["swap_apply_s"] > 0  # the stall of generation per push, measured
+    state = json.loads((run_dir / "checkpoints" / "final" / "trainer_state.json").read_text())
+    assert state["data_cursor"] == 32 and state["step"] == 4

@@ -186,3 +186,33 @@ def test_sigterm_stops_the_active_run_with_a_checkpoint(rollout_address, tiny_mo
     assert ckpt is not None and ckpt.name.startswith("step_")  # stopped early: no final
     last = metric_lines(run_dir)[-1]["step"]
     assert read_state(ckpt)["step"] == last >= 2
+
+
+def test_async_resume_after_kill_9_loses_and_repeats_no_step(rollout_address, tiny_model_dir, tmp_path) -> None:
+    """max_staleness 1: the sampler runs a step ahead of the trainer, so at the kill it has drawn prompts the
+    trainer never trained on. The checkpoint stores the cursor of the last trained batch: the resumed run
+    continues with the next step and the next prompts (the trajectories depend on timing, so the weights are
+    not compared: which version sampled a batch is decided by the race the staleness bound allows)."""
+    base = dict(model=str(tiny_model_dir), rollout_addresses=[rollout_address], num_steps=6, save_every=2,
+                max_staleness=1, **SMALL)
+    run_dir = tmp_path / "async"
+    with start_trainer_service(tmp_path / "runs_a", log_path=tmp_path / "a.log") as address:
+        with trainer_stub(address) as stub:
+            stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(RunConfig(run_dir=str(run_dir), **base))),
+                          timeout=60)
+        wait_until(lambda: latest_checkpoint(run_dir), 300, "the first checkpoint", every_s=0.01)
+        os.killpg(address.process.pid, signal.SIGKILL)
+        address.process.wait(10)
+    state = read_state(latest_checkpoint(run_dir))
+    killed_at = state["step"]
+    assert killed_at in (2, 4) and not (run_dir / "checkpoints" / "final").exists()
+    assert state["data_cursor"] == 8 * killed_at  # the trained batches' prompts, not the sampler's
+
+    with start_trainer_service(tmp_path / "runs_b", log_path=tmp_path / "b.log") as address:
+        _, items, run = run_to_end(address, RunConfig(run_dir=str(run_dir), resume=True, **base))
+        assert run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
+        assert [i.metrics.step for i in items if i.HasField("metrics")] == list(range(killed_at + 1, 7))
+    lines = metric_lines(run_dir)[-(6 - killed_at):]  # the resumed run's (the killed one may have logged more)
+    assert [m["data_cursor"] for m in lines] == [8.0 * s for s in range(killed_at + 1, 7)]
+    assert all(m["staleness_max"] <= 1 and m["stale_batches_dropped"] == 0 for m in lines)
+    assert read_state(run_dir / "checkpoints" / "final")["data_cursor"] == 48

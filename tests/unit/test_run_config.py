@@ -47,7 +47,7 @@ def test_proto_round_trip_keeps_every_field() -> None:
                     seed=3, rollout_addresses=["127.0.0.1:1", "127.0.0.1:2"], kl_beta=0.01, dynamic_sampling=True,
                     weight_sync="path", eval_every=3, eval_prompts=0, overlong_cache_len=4, adam_beta1=0.0,
                     dual_clip_c=3.0, cispo_max_weight=2.0, max_gen_batches=5, warmup_steps=2, weight_decay=0.1,
-                    mini_batch_prompts=2, ppo_epochs=3, tis_cap=2.0)
+                    mini_batch_prompts=2, ppo_epochs=3, tis_cap=2.0, max_staleness=2)
     assert from_proto(to_proto(cfg)) == cfg
     # unset optional fields stay unset (None = the loss default / no mask), not 0.0
     plain = RunConfig()
