@@ -161,6 +161,9 @@ print(f"{(b - a).total_seconds():.1f} s")')"
 end
 
 # ---- 6. a short RL run (3 steps, checkpoint every step) through the trainer
+# The services' token: FORKRL_TOKEN when the caller set one, else the one the `token` service created.
+if [ -z "${FORKRL_TOKEN:-}" ]; then FORKRL_TOKEN=$(compose exec -T trainer cat /data/secrets/token); fi
+export FORKRL_TOKEN
 RUN_DIR=/data/runs/e2e-$(date +%Y%m%d-%H%M%S)
 if [ -z "${E2E_CLIENT:-}" ]; then [ -x .venv/bin/python ] && E2E_CLIENT=host || E2E_CLIENT=container; fi
 run_args=(--entropy-top-frac 0.2 --num-steps 3 --save-every 1 --run-dir "$RUN_DIR"
@@ -181,7 +184,8 @@ begin "probe"
 body=${E2E_PROBE_JSON:-"{\"checkpoint_root\": \"$RUN_DIR/checkpoints\", \"steps\": [1], \"include_final\": true, \"num_prompts\": 8, \"group_size\": 8, \"max_positions_per_group\": 16}"}
 log "POST /probe?wait=true $body"
 code=$(curl -sS --noproxy '*' -o .docker/e2e-probe.json -w '%{http_code}' -X POST \
-  -H 'content-type: application/json' "http://127.0.0.1:$PROBE_PORT/probe?wait=true" -d "$body")
+  -H 'content-type: application/json' -H "authorization: Bearer $FORKRL_TOKEN" \
+  "http://127.0.0.1:$PROBE_PORT/probe?wait=true" -d "$body")
 [ "$code" = 200 ] || { echo "probe answered HTTP $code: $(head -c 2000 .docker/e2e-probe.json)" >&2; exit 1; }
 python3 - .docker/e2e-probe.json <<'PY'
 import json, sys

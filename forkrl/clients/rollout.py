@@ -8,7 +8,8 @@
     client.load_weights("runs/x/checkpoints/step_000020", version=2)
 
 Every call carries a deadline. Only UNAVAILABLE is retried (with backoff, within the deadline); a
-Generate stream is retried only before its first trajectory arrived, so no sample is ever duplicated.
+Generate stream is retried only before its first trajectory arrived, so no sample is ever duplicated. A
+weight push answered ABORTED while the service already serves the target version counts as applied.
 Trajectories are the proto messages (`forkrl.rollout.v1.Trajectory`). Every call carries the services'
 token (`authorization: Bearer …`, from FORKRL_TOKEN / FORKRL_TOKEN_FILE unless given).
 """
@@ -166,19 +167,29 @@ class RolloutClient:
 
             return self._stub.UpdateWeights(messages(), timeout=left, wait_for_ready=True)
 
-        resp = self._retry(call, self.timeout_s if timeout_s is None else timeout_s)
+        return self._applied(lambda: self._retry(call, self.timeout_s if timeout_s is None else timeout_s), version)
+
+    def _applied(self, push: Callable[[], Any], version: int) -> int:
+        """Run a weight push. ABORTED (stale version) while the service serves exactly `version` counts as
+        done: the usual cause is a push whose answer was lost (a dropped connection after the swap) and that
+        was sent again. `last_weights_response` is then None (there is no answer to keep)."""
+        try:
+            resp = push()
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.ABORTED or self.info().version != version:
+                raise
+            self.last_weights_response = None
+            return version
         self.last_weights_response = resp
         return resp.version
 
     def load_weights(self, path: str, version: int, *, timeout_s: float | None = None) -> int:
         """Make the service load `path` (a checkpoint dir it can read); returns the new version."""
         req = pb.LoadWeightsRequest(path=str(path), target_version=version)
-        resp = self._retry(
+        return self._applied(lambda: self._retry(
             lambda left: self._stub.LoadWeights(req, timeout=left, wait_for_ready=True),
             self.timeout_s if timeout_s is None else timeout_s,
-        )
-        self.last_weights_response = resp
-        return resp.version
+        ), version)
 
     def info(self, *, timeout_s: float = 30.0) -> pb.GetInfoResponse:
         return self._retry(

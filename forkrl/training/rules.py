@@ -44,7 +44,10 @@ def address_allowed(address: str, allowed: tuple[str, ...]) -> bool:
 
 
 def is_forkrl_run(run_dir: Path) -> bool:
-    """A directory a forkrl run wrote: its config.json is a run config (it names rollout_addresses and loss)."""
+    """A directory a forkrl run wrote: it holds checkpoints/, or its config.json is a run config (it names
+    rollout_addresses and loss)."""
+    if (run_dir / "checkpoints").is_dir():
+        return True
     try:
         cfg = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError):
@@ -77,6 +80,6 @@ def confine_run(cfg: Any, rules: RunRules) -> dict[str, str]:
             raise ValueError(f"run_dir {cfg.run_dir!r} is a file")
         if run_dir.is_dir() and any(run_dir.iterdir()) and not is_forkrl_run(run_dir):
             raise ValueError(f"run_dir {cfg.run_dir!r} is a directory that holds something other than a forkrl "
-                             "run (no run config.json); choose a new or empty directory")
+                             "run (no run config.json, no checkpoints/); choose a new or empty directory")
         updates["run_dir"] = str(run_dir)
     return updates

@@ -550,7 +550,7 @@ def test_load_weights_checks_the_directory(tmp_path: Path, client: RolloutClient
         and "lacks 1 tensor(s) of the served model: norm.weight" in msg
     )
     save_file({k: v * 5 for k, v in MODEL.items()}, str(tmp_path / "model.safetensors"))
-    code, msg = _code_and_message(lambda: client.load_weights(str(tmp_path), version))
+    code, msg = _code_and_message(lambda: client.load_weights(str(tmp_path), version - 1))
     assert code == grpc.StatusCode.ABORTED
     assert client.load_weights(str(tmp_path), version + 1) == version + 1
     assert server.backend is not None
@@ -627,3 +627,20 @@ def test_dead_engine_stops_the_service_with_status_1(tmp_path: Path) -> None:
         return await asyncio.wait_for(task, timeout=30)
 
     assert asyncio.run(main()) == 1
+
+
+def test_a_push_of_the_served_version_counts_as_applied(server: ServerThread, client: RolloutClient):
+    """A push whose answer was lost is sent again and answered ABORTED (the version is served already): the
+    client reports it applied. The service itself still says ABORTED, and an older version stays an error."""
+    good = {k: v * 3 for k, v in MODEL.items()}
+    version = client.info().version
+    assert client.update_weights(good, version + 1) == version + 1 and client.last_weights_response is not None
+    reloads = len(server.backend.reloaded)
+    assert client.update_weights(good, version + 1) == version + 1  # again: ABORTED on the wire, applied here
+    assert client.last_weights_response is None and len(server.backend.reloaded) == reloads  # nothing reloaded
+    with grpc_channel(server.address) as ch:
+        code, msg = _code_and_message(lambda: pb_grpc.RolloutServiceStub(ch).UpdateWeights(
+            iter(_messages(good, version + 1)), timeout=20))
+    assert code == grpc.StatusCode.ABORTED and f"served version {version + 1}" in msg
+    code, msg = _code_and_message(lambda: client.update_weights(good, version))
+    assert code == grpc.StatusCode.ABORTED and client.info().version == version + 1

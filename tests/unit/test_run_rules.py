@@ -65,6 +65,8 @@ def test_run_dir_must_be_a_new_dir_or_a_forkrl_run_inside_runs_root(world) -> No
     run.mkdir()
     (run / "config.json").write_text(json.dumps(RunConfig().model_dump()))
     assert confine_run(RunConfig(run_dir=str(run)), rules) == {"run_dir": str(run.resolve())}  # a forkrl run
+    (foreign / "checkpoints").mkdir()  # checkpoints of a run (preflight then asks for resume)
+    assert confine_run(RunConfig(run_dir=str(foreign)), rules) == {"run_dir": str(foreign.resolve())}
 
 
 def test_model_and_dataset_must_resolve_inside_the_read_roots(world) -> None:
