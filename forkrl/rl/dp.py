@@ -175,6 +175,8 @@ def dp_train_step(
         return train_step(model, optimizer, batch, advantages, loss_cfg, temperature=temperature,
                           micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, ref_model=ref_model,
                           mini_batch_size=mini_batch_size, epochs=epochs, kept_out=kept_out)
+    if loss_cfg.tis_cap is not None:
+        raise ValueError(f"truncated importance sampling (tis_cap) is not built across ranks yet (world size {world})")
     if (mini_batch_size is not None and mini_batch_size < len(batch)) or epochs != 1:
         raise ValueError("several updates per rollout batch (mini_batch_prompts, ppo_epochs) are not built across "
                          f"ranks yet; run them with one rank (world size {world})")
@@ -213,6 +215,7 @@ def dp_train_step(
     maxima: dict[str, float] = {}
     thresholds: list[float] = []
     ent_all, ent_kept, d_all, d_kept = [], [], [], []
+    olds: dict[int, tuple[Tensor, Tensor]] = {}  # micro-batch j -> (π_old, kept mask), for approx_kl
     empty = _resp_of(None, None, device)
     for j, ((s, e), mb) in enumerate(zip(rows, micros, strict=True)):
         if fsdp:
@@ -256,6 +259,9 @@ def dp_train_step(
             if k == "ratio_max":
                 maxima[k] = max(maxima.get(k, v), v)
                 continue
+            if k == "ratio_min":
+                maxima[k] = min(maxima.get(k, v), v)
+                continue
             w = 1.0 if k in _SUMMED else m["kept_tokens"] if k.endswith("clip_frac") or "clip_frac_" in k \
                 else m["response_tokens"]
             sums[k] = sums.get(k, 0.0) + v * w
@@ -266,6 +272,7 @@ def dp_train_step(
             delta = (logp.detach() - mb.rollout_logp).abs()
             d_all.append(delta[resp])
             d_kept.append(delta[token_mask])
+            olds[j] = (logp.detach(), token_mask)
     if not fsdp:
         _all_reduce_grads(model, group)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -273,8 +280,32 @@ def dp_train_step(
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return _reduce_metrics(sums, maxima, thresholds, ent_all, ent_kept, d_all, d_kept, float(grad_norm), n_micro,
-                           device, group)
+    out = _reduce_metrics(sums, maxima, thresholds, ent_all, ent_kept, d_all, d_kept, float(grad_norm), n_micro,
+                          device, group)
+    kl_kept, kl_all = _approx_kl(model, batch, micros, olds, temperature, device, group)
+    out.update(n_updates=1.0, grad_norm_max=out["grad_norm"], approx_kl=kl_kept, approx_kl_all=kl_all)
+    return out
+
+
+def _approx_kl(model: torch.nn.Module, batch: Batch, micros: Sequence[Batch | None],
+               olds: dict[int, tuple[Tensor, Tensor]], temperature: float, device: torch.device,
+               group: dist.ProcessGroup | None) -> tuple[float, float]:
+    """train_step's approx_kl over the ranks: k3 of KL(π_old ‖ π_new) after the update, on kept and all
+    tokens; every rank runs a forward per micro-batch (FSDP's all-gathers), sums travel in one all_reduce."""
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # kept sum, kept n, all sum, all n
+    with torch.no_grad():
+        for j, mb in enumerate(micros):
+            if j not in olds or mb is None:
+                _zero_loss(model, batch if mb is None else mb)
+                continue
+            old, kept = olds[j]
+            logp, _ = _forward(model, mb, temperature, False)
+            d = (logp - old).double().clamp(-20.0, 20.0)
+            k3 = d.exp() - d - 1.0
+            sums += torch.stack([k3[kept].sum(), kept.sum().double(), k3[mb.response_mask].sum(),
+                                 mb.response_mask.sum().double()])
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    return float(sums[0] / sums[1].clamp(min=1)), float(sums[2] / sums[3].clamp(min=1))
 
 
 def _min_all(values: list[float], device: torch.device, group: dist.ProcessGroup | None) -> float:
@@ -303,7 +334,9 @@ def _reduce_metrics(sums: dict[str, float], maxima: dict[str, float], thresholds
     if any("ratio" in k for k in keys):
         mx = torch.tensor([maxima.get("ratio_max", -float("inf"))], dtype=torch.float64, device=device)
         dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
-        out["ratio_max"] = float(mx)
+        mn = torch.tensor([maxima.get("ratio_min", float("inf"))], dtype=torch.float64, device=device)
+        dist.all_reduce(mn, op=dist.ReduceOp.MIN, group=group)
+        out["ratio_max"], out["ratio_min"] = float(mx), float(mn)
     out["kept_frac"] = tot["kept_tokens"] / n_resp
     ea, ek, da, dk = (torch.cat(gather_segments(x, group)) for x in (ent_all, ent_kept, d_all, d_kept))
     p50, p80, p90, p99 = _quantiles(ea, (0.5, 0.8, 0.9, 0.99))

@@ -39,15 +39,15 @@ def test_a_two_rank_trainer_runs_and_its_first_step_equals_one_rank(tiny_model_d
     with start_rollout_service(tiny_model_dir, seed=0, staging_dir=tmp_path / "staging",
                                log_path=tmp_path / "rollout.log") as rollout:
         with start_trainer_service(tmp_path / "runs1", log_path=tmp_path / "trainer1.log") as one:
-            p1 = _run(one, rollout, tiny_model_dir, tmp_path / "one")
+            p1 = _run(one, rollout, tiny_model_dir, tmp_path / "runs1" / "one")
         assert p1.returncode == 0, p1.stderr[-3000:]
         with start_trainer_service(tmp_path / "runs2", log_path=tmp_path / "trainer2.log", ranks=2) as two:
-            p2 = _run(two, rollout, tiny_model_dir, tmp_path / "two")
+            p2 = _run(two, rollout, tiny_model_dir, tmp_path / "runs2" / "two")
             assert p2.returncode == 0, p2.stderr[-3000:] + (tmp_path / "trainer2.log").read_text()[-4000:]
     assert "succeeded" in p2.stdout
     assert "rank 1: run started" in (tmp_path / "trainer2.log").read_text()  # rank 1 followed rank 0
 
-    lines1, lines2 = metric_lines(tmp_path / "one"), metric_lines(tmp_path / "two")
+    lines1, lines2 = metric_lines(tmp_path / "runs1" / "one"), metric_lines(tmp_path / "runs2" / "two")
     assert [m["step"] for m in lines2] == [1, 2, 3]
     for m in lines2:
         # 32 trajectories in micro-batches of 16: each global micro-batch keeps exactly ceil(N_j / 5)
@@ -61,7 +61,7 @@ def test_a_two_rank_trainer_runs_and_its_first_step_equals_one_rank(tiny_model_d
     for k in STEP_KEYS:
         assert abs(a[k] - b[k]) <= REL * max(1.0, abs(a[k])), (k, a[k], b[k])
 
-    final = tmp_path / "two" / "checkpoints" / "final"
+    final = tmp_path / "runs2" / "two" / "checkpoints" / "final"
     state = read_state(final)
     assert state["step"] == 3 and state["world_size"] == 2 and state["optimizer_saved"] is False
     from transformers import AutoModelForCausalLM

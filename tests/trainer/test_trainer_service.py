@@ -195,8 +195,8 @@ def test_async_resume_after_kill_9_loses_and_repeats_no_step(rollout_address, ti
     not compared: which version sampled a batch is decided by the race the staleness bound allows)."""
     base = dict(model=str(tiny_model_dir), rollout_addresses=[rollout_address], num_steps=6, save_every=2,
                 max_staleness=1, **SMALL)
-    run_dir = tmp_path / "async"
-    with start_trainer_service(tmp_path / "runs_a", log_path=tmp_path / "a.log") as address:
+    run_dir = tmp_path / "runs" / "async"  # inside both trainers' runs_root
+    with start_trainer_service(tmp_path / "runs", log_path=tmp_path / "a.log") as address:
         with trainer_stub(address) as stub:
             stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(RunConfig(run_dir=str(run_dir), **base))),
                           timeout=60)
@@ -208,7 +208,7 @@ def test_async_resume_after_kill_9_loses_and_repeats_no_step(rollout_address, ti
     assert killed_at in (2, 4) and not (run_dir / "checkpoints" / "final").exists()
     assert state["data_cursor"] == 8 * killed_at  # the trained batches' prompts, not the sampler's
 
-    with start_trainer_service(tmp_path / "runs_b", log_path=tmp_path / "b.log") as address:
+    with start_trainer_service(tmp_path / "runs", log_path=tmp_path / "b.log") as address:
         _, items, run = run_to_end(address, RunConfig(run_dir=str(run_dir), resume=True, **base))
         assert run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
         assert [i.metrics.step for i in items if i.HasField("metrics")] == list(range(killed_at + 1, 7))
