@@ -44,7 +44,7 @@ def vllm_importable() -> bool:
 
 
 def resolve_sampler(name: str) -> str:
-    """"auto" -> "vllm" when vllm is importable, else "transformers"; the others unchanged."""
+    """auto -> vllm when vllm is importable, else transformers; the other names unchanged."""
     if name == "auto":
         return "vllm" if vllm_importable() else "transformers"
     return name
@@ -98,9 +98,13 @@ def sample_with_vllm(
     ignore_eos: bool = False,
     check: Callable[[], None] | None = None,
     notes: list[str] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> list[Trajectory]:
     """`group_size` samples per prompt from an in-process float32 vLLM engine on `model_dir`, prompt-major.
-    `ignore_eos` (benchmarks): every response runs to max_new_tokens."""
+    `ignore_eos` (benchmarks): every response runs to max_new_tokens. `timings` gets the seconds of
+    "engine_start" and "generate"."""
+    import time
+
     from forkrl.runtime import apply_runtime_env
 
     apply_runtime_env()
@@ -122,6 +126,7 @@ def sample_with_vllm(
         max_len = limit
     if check is not None:
         check()
+    t0 = time.perf_counter()
     llm = LLM(
         model=str(model_dir),
         dtype="float32",
@@ -134,6 +139,7 @@ def sample_with_vllm(
         disable_log_stats=True,
         trust_remote_code=False,
     )
+    t1 = time.perf_counter()
     try:
         params = [
             SamplingParams(
@@ -146,6 +152,8 @@ def sample_with_vllm(
         prompts = [{"prompt_token_ids": ids} for _, _, ids in rows]
         outs = llm.generate(prompts, params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
+        if timings is not None:
+            timings.update(engine_start=t1 - t0, generate=time.perf_counter() - t1)
     finally:
         del llm
         gc.collect()

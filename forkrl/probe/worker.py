@@ -192,7 +192,10 @@ class CheckpointProbe:
         kw = dict(group_size=p.num_samples, temperature=p.temperature, max_new_tokens=self.max_new, seed=p.seed,
                   eos_ids=eos)  # fmt: skip
         if self.sampler == "vllm":
-            return sample_with_vllm(self.ref.path, ids, check=self.prog.check, notes=self.notes, **kw)
+            vt: dict[str, float] = {}
+            out = sample_with_vllm(self.ref.path, ids, check=self.prog.check, notes=self.notes, timings=vt, **kw)
+            self.timings.update({f"vllm_{k}": v for k, v in vt.items()})
+            return out
         if self.sampler == "rollout":
             return sample_with_rollout(p.rollout_address, ids, **kw)
         return sample_trajectories(model, ids, pad_id=pad, batch_size=p.sample_batch_size, check=self.prog.check,
