@@ -85,3 +85,31 @@ def test_probe_outputs_from_vllm_have_the_same_keys_and_grain(tiny_model_dir, tm
         assert len(keys) == len(summary["results"])  # one result per checkpoint x bin x correct x param x row
         # the entropy pass scores the sampled tokens teacher-forced: logp is that of the records' own tokens
         assert manifest["checkpoints"][0]["max_abs_logp_gap_entropy_vs_grad_pass"] < 1e-4
+
+
+def test_rollout_sampler_through_a_running_service(tiny_model_dir, tok, tmp_path: Path):
+    """sampler rollout: the probe's one checkpoint is the model the service serves; rows come back
+    prompt-major and EOS-trimmed like the in-process paths, and the job's outputs have the same grain."""
+    from forkrl.probe.engines import sample_with_rollout
+    from tests.service_fixtures import start_rollout_service
+
+    ids = encode_prompts(tok, PROMPTS, chat_template=False)
+    eos = tok.eos_token_id
+    with start_rollout_service(tiny_model_dir, kv_cache_gib=1, seed=0) as address:
+        trajs = sample_with_rollout(str(address), ids, group_size=2, temperature=1.0, max_new_tokens=16, seed=3,
+                                    eos_ids=[eos])  # fmt: skip
+        out = tmp_path / "out"
+        argv = ["--checkpoints", str(tiny_model_dir), "--num-prompts", "4", "--num-samples", "2",
+                "--max-new-tokens", "16", "--entropy-bins", "2", "--max-positions-per-group", "3",
+                "--bootstrap", "0", "--sampler", "rollout", "--rollout-address", str(address),
+                "--output-dir", str(out), "--no-progress"]  # fmt: skip
+        assert main(argv) == 0
+    assert [(t.index, t.prompt_index) for t in trajs] == [(i * 2 + g, i) for i in range(4) for g in range(2)]
+    for t in trajs:
+        assert t.prompt_ids == ids[t.prompt_index] and 1 <= t.n_response <= 16
+        assert eos not in t.response_ids[:-1] and t.finished == (t.response_ids[-1] == eos)
+    summary = json.loads((out / "summary.json").read_text())
+    n_records = len((out / "token_probe_records.jsonl").read_text().splitlines())
+    n_params = len(json.loads((out / "manifest.json").read_text())["checkpoints"][0]["targets"])
+    assert summary["settings"]["sampler"] == "rollout" and summary["checkpoints"][0]["n_trajectories"] == 8
+    assert n_records == summary["n_records"] == summary["checkpoints"][0]["n_selected"] * n_params * 3
