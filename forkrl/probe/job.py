@@ -45,6 +45,7 @@ from forkrl.probe.checkpoints import (
     real_path,
     resolve_checkpoints,
 )
+from forkrl.probe.engines import resolve_sampler
 from forkrl.probe.metrics import erank_at_n
 from forkrl.probe.params import CAVEAT, DATASET_MAX_NEW_TOKENS, ProbeParams
 from forkrl.probe.sampling import resolve_reward_name, top_frac_mask
@@ -196,7 +197,7 @@ def run_probe(
             "entropy_bins": p.entropy_bins, "max_positions_per_group": p.max_positions_per_group,
             "max_positions_per_trajectory": p.max_positions_per_trajectory, "seed": p.seed,
             "layer_indices": p.layer_indices, "row_spec": p.row_spec, "row_mode": p.row_mode,
-            "bootstrap": p.bootstrap,
+            "bootstrap": p.bootstrap, "sampler": resolve_sampler(p.sampler), "chat_template": p.chat_template,
         },
     }  # fmt: skip
     # NaN/inf are written as null (strict JSON): say how many, so a null is never a silent NaN

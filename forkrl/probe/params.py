@@ -53,6 +53,7 @@ GRAD_METHODS: tuple[str, ...] = GradMethod.__args__
 WeightsDtype = Literal["float32", "float64", "bfloat16"]
 RowMode = Literal["row", "block"]
 RecordGrain = Literal["row", "token"]
+Sampler = Literal["auto", "vllm", "transformers", "rollout"]
 Split = Literal[SPLITS]  # type: ignore[valid-type]
 ROW_SPEC_PATTERN = r"^(start|mid|last|random:[1-9]\d*|-?\d+(,-?\d+)*)$"
 RowSpec = Annotated[
@@ -113,6 +114,17 @@ class ProbeParams(BaseModel):
     """Max response tokens; 0 = the built-in task's limit, 2048 for a dataset (the seed's)."""
     seed: int = Field(default=0, ge=0, le=2**62)
     """Seed of sampling, tie-breaks, selection, rows."""
+    sampler: Sampler = "auto"
+    """Who samples the responses: vllm (in-process vLLM on the checkpoint, float32, one seed per sample as in
+    the rollout service), transformers (forkrl's KV-cache sampler; batches prompts of equal length only),
+    rollout (a running rollout service at rollout_address: it serves ONE model, so the job must probe
+    exactly that checkpoint), auto (vllm when importable, else transformers). Entropy and gradients are
+    always teacher-forced in fp32 by the trainer's math, whichever samples."""
+    rollout_address: str = ""
+    """host:port of the rollout service (sampler rollout only)."""
+    chat_template: bool = False
+    """Wrap each prompt as one user message with the tokenizer's chat template (generation prompt added),
+    for instruct models; off = the plain prompt text, as in training."""
 
     # ---- bins and positions
     entropy_bins: int = Field(default=5, ge=1, le=100)
@@ -190,6 +202,15 @@ class ProbeParams(BaseModel):
             raise ValueError(
                 "nothing to probe: give checkpoint_root with steps and/or include_final, checkpoints, or model"
             )
+        if self.sampler == "rollout":
+            n_ckpt = len(self.steps) + self.include_final + len(self.checkpoints) + bool(self.model)
+            if not self.rollout_address or n_ckpt != 1:
+                raise ValueError(
+                    "sampler rollout needs rollout_address and exactly one checkpoint (the model the service "
+                    f"serves); got {n_ckpt} checkpoints"
+                )
+        elif self.rollout_address:
+            raise ValueError("rollout_address is only used with sampler rollout")
         if self.task and self.dataset:
             raise ValueError("task and dataset are mutually exclusive: give one")
         return self

@@ -7,7 +7,9 @@
     bins = rank_bins(entropy, 5, seeded_generator(0, "bins"))
     chosen, available = select_positions(bins, traj_of, correct_of, eligible, n_bins=5, per_cell=64, per_traj=4)
 
-Sampling is forkrl's one KV-cache sampler (`forkrl.models.sampling`): ancestral sampling from softmax(z / T)
+`sample_trajectories` is the transformers sampler (sampler "transformers"; `forkrl.probe.engines` holds the
+vLLM and rollout-service samplers, which return the same `Trajectory` rows). It is forkrl's one KV-cache
+sampler (`forkrl.models.sampling`): ancestral sampling from softmax(z / T)
 (top-p 1, no top-k, as in RL rollouts, §1.3), batched over prompts of equal length, driven by a job-local
 `torch.Generator` so two jobs in one process never share RNG state. Each response is cut at its first EOS,
 **keeping the EOS** (the EOS is a generated token the policy chose and is trained on); everything after it

@@ -17,6 +17,7 @@ import torch
 from forkrl.files import sha256_file
 from forkrl.probe.bootstrap import bootstrap_ci
 from forkrl.probe.checkpoints import CheckpointRef, eos_and_pad, load_checkpoint, weight_files
+from forkrl.probe.engines import encode_prompts, resolve_sampler, sample_with_rollout, sample_with_vllm
 from forkrl.probe.gradients import ProbeTarget, build_targets, exact_row_grads
 from forkrl.probe.metrics import cell_metrics
 from forkrl.probe.outputs import plot_checkpoint, plot_name
@@ -107,6 +108,7 @@ class CheckpointProbe:
         self.device, self.prog = device, progress
         self.timings: dict[str, float] = {}
         self.methods: set[str] = set()
+        self.sampler = resolve_sampler(params.sampler)
 
     def _timed(self, name: str, t0: float) -> None:
         self.timings[name] = time.perf_counter() - t0
@@ -121,14 +123,10 @@ class CheckpointProbe:
         prog.check()
 
         t0 = time.perf_counter()
-        trajs = sample_trajectories(
-            model, [tok(q.prompt)["input_ids"] for q in self.problems], group_size=p.num_samples,
-            temperature=p.temperature, max_new_tokens=self.max_new, seed=p.seed, eos_ids=eos, pad_id=pad,
-            batch_size=p.sample_batch_size, check=prog.check,
-        )  # fmt: skip
+        trajs = self._sample(model, tok, eos, pad)
         grade(trajs, tok, self.problems, self.reward)
         self._timed("sample", t0)
-        prog.advance(1, f"{ref.label}: sampled {len(trajs)} responses")
+        prog.advance(1, f"{ref.label}: sampled {len(trajs)} responses ({self.sampler})")
 
         t0 = time.perf_counter()
         stats = token_stats(model, trajs, temperature=p.temperature, also_t1=p.entropy_at_t1,
@@ -183,8 +181,25 @@ class CheckpointProbe:
             # the gradient pass recomputes logp from scratch; it must agree with the entropy pass
             "max_abs_logp_gap_entropy_vs_grad_pass": logp_gap,
             "timings_s": self.timings,
+            "sampler": self.sampler,
         }
         return CheckpointResult(info, cres, recs, man, self.methods, grams, self.edges, trajs, overlap, self.notes)
+
+    def _sample(self, model, tok, eos: list[int], pad: int) -> list[Trajectory]:
+        """Responses from the job's sampler (forkrl.probe.engines); prompt-major, cut after the first EOS."""
+        p = self.p
+        ids = encode_prompts(tok, [q.prompt for q in self.problems], chat_template=p.chat_template)
+        kw = dict(group_size=p.num_samples, temperature=p.temperature, max_new_tokens=self.max_new, seed=p.seed,
+                  eos_ids=eos)  # fmt: skip
+        if self.sampler == "vllm":
+            vt: dict[str, float] = {}
+            out = sample_with_vllm(self.ref.path, ids, check=self.prog.check, notes=self.notes, timings=vt, **kw)
+            self.timings.update({f"vllm_{k}": v for k, v in vt.items()})
+            return out
+        if self.sampler == "rollout":
+            return sample_with_rollout(p.rollout_address, ids, **kw)
+        return sample_trajectories(model, ids, pad_id=pad, batch_size=p.sample_batch_size, check=self.prog.check,
+                                   **kw)  # fmt: skip
 
     def _gradients(self, model, trajs, tab, selected, targets: list[ProbeTarget], pad: int):
         """Row gradients of every selected position; trajectories go in right-padded batches of about

@@ -33,6 +33,7 @@ from tests.service_fixtures import build_random_llama, wait_until
 pytestmark = pytest.mark.slow
 
 SMALL_JOB = {
+    "sampler": "transformers",  # the service plumbing; vLLM sampling is tested in test_probe_vllm.py
     "steps": [1, 2],
     "num_prompts": 4,
     "group_size": 4,

@@ -147,6 +147,7 @@ def test_job_records_never_touch_padding(tmp_path):
         modules=["lm_head"],
         row_specs=["start"],
         proj_k=[1],
+        sampler="transformers",  # unit tests start no vLLM (tests/probe/test_probe_vllm.py does)
     )
     summary = run_probe(params, tmp_path / "out")
     recs = [json.loads(x) for x in (tmp_path / "out" / "token_probe_records.jsonl").read_text().splitlines()]
