@@ -10,7 +10,7 @@ must stay instant.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -45,6 +45,10 @@ class ProbeSettings(TokenSettings):
     """Longest time POST /probe?wait=true blocks before answering 202."""
     allow_custom_rewards: bool = False
     """Accept reward='package.module:function' in requests (imports and runs that code)."""
+    auto_sampler: Literal["transformers", "vllm"] = "transformers"
+    """What a request's sampler 'auto' means here. transformers (default): the service's jobs share one
+    process, and an in-process vLLM engine per job inside a worker thread is not tested yet; vllm: faster
+    sampling (the CLI's 'auto' default), one job at a time (max_concurrent_jobs 1)."""
     log_level: str = "info"
     """uvicorn log level."""
 
