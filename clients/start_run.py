@@ -17,6 +17,7 @@ Exit status: 0 when the run succeeded (or was stopped on request / detached), 1 
 from __future__ import annotations
 
 import queue
+import signal
 import sys
 import threading
 import time
@@ -189,7 +190,17 @@ def ask_stop_or_detach(stub, pb2, run_id: str, num_steps: int) -> int:
     return 0
 
 
+def _take_ctrl_c() -> None:
+    """Ctrl-C must reach this client (stop or detach): a SIGINT ignored or blocked by whatever started the
+    process (both are inherited across exec; seen when started from a long-lived test process) is
+    restored to Python's KeyboardInterrupt."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def main(argv: list[str] | None = None) -> int:
+    _take_ctrl_c()
     args = parse_args(argv)
     config = args.run_config()
 
