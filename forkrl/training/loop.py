@@ -212,8 +212,8 @@ class _Session:
         self.run.event("EVAL", f"eval on {len(self.eval_problems)} prompts", step=step, values=res)
 
     def checkpoint(self, step: int, name: str) -> None:
-        full = self.full_state() if self.link.active else None
+        self.link.tell("checkpoint", str(self.run.run_dir), name)  # every rank writes its optimizer shards
         path = self.policy.save(self.run.run_dir, name, {
             "step": step, "data_cursor": self.trained_cursor, "run_id": self.run.run_id,
-            "config": self.cfg.model_dump(), "policy_version": self.version}, full)
+            "config": self.cfg.model_dump(), "policy_version": self.version})
         self.run.event("CHECKPOINT", f"saved {name}", step=step, path=str(path))

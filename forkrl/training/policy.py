@@ -8,7 +8,8 @@ update of one step (advantages → batch → masked loss over micro-batches → 
     policy.save(run_dir, "step_000010", {"step": 10, ...})
 
 Determinism: torch is seeded with run_seed("torch", seed) before the model is loaded, and a resume restores
-the optimizer state, so a resumed run ends with the same weights as an uninterrupted one (on CPU).
+the optimizer state, so a resumed run ends with the same weights as an uninterrupted one (on CPU; with
+the same number of ranks — on another number the steps after the resume differ by float32 rounding).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from forkrl.training.config import RunConfig
 from forkrl.training.distributed import full_state_dict, shard_model
 from forkrl.training.metrics import class_breakdown
 from forkrl.training.scoring import ScoredBatch
-from forkrl.weights.checkpoint import latest_checkpoint, load_optimizer_state, read_state, save_checkpoint
+from forkrl.weights.checkpoint import latest_checkpoint, read_state, save_checkpoint
+from forkrl.weights.sharded import load_optimizer_any, save_sharded_checkpoint
 
 
 def pick_device(name: str) -> torch.device:
@@ -106,17 +108,13 @@ class Policy:
             return full_state_dict(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
-    def save(self, run_dir: Path, name: str, state: dict[str, Any],
-             full_state: dict[str, torch.Tensor] | None = None) -> Path:
-        """Rank 0 writes the checkpoint. Sharded: pass `full_state()` (gathered by every rank first); the
-        optimizer state is then not written (sharded optimizer checkpoints are not built) and the checkpoint
-        says so, so that a resume refuses it rather than restart AdamW silently."""
+    def save(self, run_dir: Path, name: str, state: dict[str, Any] | None) -> Path | None:
+        """Write the checkpoint `name`; returns its path (None on ranks > 0). Sharded: every rank calls it (rank
+        0's `state` is written): the gathered weights as HF files and the AdamW state sharded with
+        torch.distributed.checkpoint (forkrl/weights/sharded.py). One rank: forkrl/weights/checkpoint.py."""
         if self.world_size > 1:
-            if not full_state:
-                raise ValueError("a sharded policy saves its gathered full_state() (on rank 0)")
-            state = dict(state, optimizer_saved=False, world_size=self.world_size)
-            return save_checkpoint(run_dir, name, self.model, self.tokenizer, None, state, model_state=full_state)
-        return save_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state)
+            return save_sharded_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state)
+        return save_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state or {})
 
 
 def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto") -> Policy:
@@ -129,10 +127,9 @@ def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto") -> Policy:
     load_dir = Path(cfg.model)
     if resume_from is not None:
         state = read_state(resume_from)
-        if world > 1 or state.get("optimizer_saved") is False:
-            raise ValueError(f"cannot resume from {resume_from} with {world} rank(s): resuming a sharded run "
-                             "needs sharded optimizer checkpoints, which are not built (docs/scaling.md); "
-                             "start a new run from the checkpoint's weights with --model instead")
+        if state.get("optimizer_saved") is False:  # written by a multi-rank trainer before DCP checkpoints
+            raise ValueError(f"cannot resume from {resume_from}: it holds no optimizer state (a multi-rank "
+                             "checkpoint of an older trainer); start a new run from its weights with --model")
         start_step, cursor = int(state["step"]), int(state["data_cursor"])
         load_dir = resume_from
     torch.manual_seed(run_seed("torch", cfg.seed))
@@ -151,7 +148,7 @@ def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto") -> Policy:
         ref_model.to(dev).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay, eps=1e-8)
-    if resume_from is not None:
-        load_optimizer_state(resume_from, model, optimizer)
+    if resume_from is not None:  # any checkpoint onto any number of ranks (forkrl/weights/sharded.py)
+        load_optimizer_any(resume_from, model, optimizer)
     return Policy(cfg, model, tokenizer, optimizer, ref_model, dev, start_step, cursor, resume_from is not None,
                   world)

@@ -12,7 +12,8 @@ needs every rank, just before doing it itself:
 |---|---|---|
 | `start` (config, run dir) | `load_policy` | `load_policy`: the same model, sharded (FSDP2) over all ranks |
 | `update` (step, rewards and token ids) | `Policy.set_lr`, `Policy.update` | the same: `dp_train_step` on its share |
-| `state` | `Policy.full_state()` for the push or a checkpoint | `Policy.full_state()` (the gather) |
+| `state` | `Policy.full_state()` for the push | `Policy.full_state()` (the gather) |
+| `checkpoint` (run dir, name) | `Policy.save`: HF files + its AdamW shards | the same (DCP, its shards) |
 | `end` | the run is over (any outcome) | drops the policy |
 | `exit` | the service stops | returns |
 
@@ -128,6 +129,10 @@ def follow(device: str = "auto") -> None:
         elif op == "state":
             assert policy is not None, "state before start"
             policy.full_state()
+        elif op == "checkpoint":
+            assert policy is not None, "checkpoint before start"
+            run_dir, name = args
+            policy.save(Path(run_dir), name, None)
         elif op == "end":
             policy = None
         elif op == "exit":

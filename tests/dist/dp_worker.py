@@ -102,7 +102,8 @@ def main(out_path: str, ckpt_dir: str | None) -> None:
             m = dp_train_step(model, opt, batch, adv, cfg, **kw)
             if save and mode == "fsdp":
                 save_full_pretrained(model, f"{ckpt_dir}/fsdp")
-            got = full_state_dict(model) if mode.startswith("fsdp") else {k: v.detach() for k, v in model.state_dict().items()}
+            got = full_state_dict(model) if mode.startswith("fsdp") \
+                else {k: v.detach() for k, v in model.state_dict().items()}
             if info.rank == 0:
                 assert set(m) == set(m_ref), (sorted(set(m) ^ set(m_ref)))
                 dw = max(float((got[k] - want[k]).abs().max()) for k in want)
