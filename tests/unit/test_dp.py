@@ -52,8 +52,9 @@ def test_world_size_one_is_train_step_bit_for_bit() -> None:
 
 
 def test_a_checkpoint_without_optimizer_state_is_not_resumed(tiny_model_dir, tmp_path) -> None:
-    # What a multi-rank run writes (Policy.save with world size > 1): the full model, no AdamW moments.
-    # Resuming it would restart AdamW silently, so load_policy refuses and says what to do instead.
+    # What a multi-rank trainer wrote before sharded optimizer checkpoints (optimizer_saved: false): the full
+    # model, no AdamW moments. Resuming it would restart AdamW silently, so load_policy refuses and says what
+    # to do instead (today's multi-rank checkpoints hold the moments: tests/dist/test_resume_across_ranks.py).
     from transformers import AutoModelForCausalLM
 
     from forkrl.training.config import RunConfig
@@ -66,5 +67,5 @@ def test_a_checkpoint_without_optimizer_state_is_not_resumed(tiny_model_dir, tmp
                     {"step": 1, "data_cursor": 8, "optimizer_saved": False, "world_size": 2},
                     model_state={k: v.detach() for k, v in model.state_dict().items()})
     cfg = RunConfig(model=str(tiny_model_dir), run_dir=str(run_dir), resume=True)
-    with pytest.raises(ValueError, match="sharded optimizer checkpoints, which are not built"):
+    with pytest.raises(ValueError, match="holds no optimizer state"):
         load_policy(cfg, run_dir, "cpu")
