@@ -1,5 +1,6 @@
 """The trainer service on 2 ranks (torchrun, gloo, FSDP2) runs a 3-step masked run through
-clients/start_run.py, and its first step equals a 1-rank trainer's on the same samples.
+clients/start_run.py, its first step equals a 1-rank trainer's on the same samples, and `--resume` continues
+it on the same 2 ranks from its sharded checkpoint (step 4).
 
 Both trainers train the embedded tiny model against one real rollout service. Rank 0 serves gRPC, talks to
 the rollout service and writes metrics and checkpoints; rank 1 follows its commands
@@ -26,11 +27,11 @@ STEP_KEYS = ("loss", "pg_loss", "grad_norm", "kept_frac", "entropy_mean", "entro
              "logp_delta_mean", "clip_frac_low", "clip_frac_high")
 
 
-def _run(address: str, rollout: str, model: Path, run_dir: Path) -> subprocess.CompletedProcess:
+def _run(address: str, rollout: str, model: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = start_run_argv(
         "--entropy-top-frac", "0.2", "--num-steps", "3", "--prompts-per-step", "8", "--group-size", "4",
         "--eval-prompts", "0", "--micro-batch-size", "16", "--save-every", "3", "--run-dir", str(run_dir),
-        "--model", str(model), "--rollout-addresses", rollout, "--trainer-address", address)
+        "--model", str(model), "--rollout-addresses", rollout, "--trainer-address", address, *extra)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
 
 
@@ -44,11 +45,15 @@ def test_a_two_rank_trainer_runs_and_its_first_step_equals_one_rank(tiny_model_d
         with start_trainer_service(tmp_path / "runs2", log_path=tmp_path / "trainer2.log", ranks=2) as two:
             p2 = _run(two, rollout, tiny_model_dir, tmp_path / "runs2" / "two")
             assert p2.returncode == 0, p2.stderr[-3000:] + (tmp_path / "trainer2.log").read_text()[-4000:]
-    assert "succeeded" in p2.stdout
+            state3 = read_state(tmp_path / "runs2" / "two" / "checkpoints" / "final")
+            # --resume on the same 2 ranks: every rank reads its AdamW shards back (DCP) and trains step 4
+            p3 = _run(two, rollout, tiny_model_dir, tmp_path / "runs2" / "two", "--resume", "--num-steps", "4")
+            assert p3.returncode == 0, p3.stderr[-3000:] + (tmp_path / "trainer2.log").read_text()[-4000:]
+    assert "succeeded" in p2.stdout and "succeeded" in p3.stdout
     assert "rank 1: run started" in (tmp_path / "trainer2.log").read_text()  # rank 1 followed rank 0
 
     lines1, lines2 = metric_lines(tmp_path / "runs1" / "one"), metric_lines(tmp_path / "runs2" / "two")
-    assert [m["step"] for m in lines2] == [1, 2, 3]
+    assert [m["step"] for m in lines2] == [1, 2, 3, 4]
     for m in lines2:
         # 32 trajectories in micro-batches of 16: each global micro-batch keeps exactly ceil(N_j / 5)
         # tokens over both ranks, so the step keeps between ceil(N/5) and ceil(N/5) + 1
@@ -61,9 +66,15 @@ def test_a_two_rank_trainer_runs_and_its_first_step_equals_one_rank(tiny_model_d
     for k in STEP_KEYS:
         assert abs(a[k] - b[k]) <= REL * max(1.0, abs(a[k])), (k, a[k], b[k])
 
+    # the 3-step run's checkpoint: HF weights gathered on rank 0, AdamW state in 2 DCP shards
+    assert state3["step"] == 3 and state3["world_size"] == 2 and state3["optimizer_saved"] is True
+    assert state3["optimizer"]["format"] == "dcp"
     final = tmp_path / "runs2" / "two" / "checkpoints" / "final"
     state = read_state(final)
-    assert state["step"] == 3 and state["world_size"] == 2 and state["optimizer_saved"] is False
+    assert state["step"] == 4 and state["world_size"] == 2 and state["data_cursor"] == 4 * 8
+    assert sorted(p.name for p in (final / state["optimizer"]["dir"]).glob("*.distcp")) == \
+        ["__0_0.distcp", "__1_0.distcp"]
+    assert "from step 3" in p3.stdout + (tmp_path / "trainer2.log").read_text()
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
