@@ -14,8 +14,9 @@ precision is bf16 compute with fp32 master weights and fp32 gradient reduction; 
 fp32. Activation checkpointing (optional) is the HF model's own (non-reentrant), applied before sharding.
 
 The trainer's ranks use it through `forkrl/training/policy.py` (`load_policy` shards when the process group
-has > 1 rank) and `forkrl/training/ranks.py`. Not built (docs/scaling.md): sharded optimizer checkpoints
-with torch.distributed.checkpoint, streaming the gathered weights to the rollout services.
+has > 1 rank) and `forkrl/training/ranks.py`; their checkpoints (gathered HF weights + AdamW shards with
+torch.distributed.checkpoint) in `forkrl/weights/sharded.py`. Not built (docs/scaling.md): streaming the
+gathered weights to the rollout services.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ Layout (what the probe and `--resume` read):
         trainer_state.json                            step, data cursor, optimizer scalars, RNG state, config
     <run_dir>/checkpoints/final/
 
+That is a 1-process trainer's checkpoint. A multi-rank trainer writes the same HF files (gathered on rank 0)
+and its AdamW state sharded with torch.distributed.checkpoint: forkrl/weights/sharded.py, which also
+resumes either kind on any number of ranks.
+
 A checkpoint is written into a hidden temp dir next to its final place and renamed when complete
 (`forkrl.files.atomic_dir`), so a crash leaves either the whole checkpoint or an ignorable `.tmp-*` dir,
 never a half checkpoint that looks whole.

@@ -65,13 +65,17 @@ def save_sharded_checkpoint(run_dir: Path | str, name: str, model: torch.nn.Modu
 
     rank, world = _rank_world()
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    osd = get_optimizer_state_dict(model, optimizer)  # this rank's shards (DTensors), keyed by FQN
+    # no optimizer step yet (the same on every rank): nothing to shard, and get_optimizer_state_dict would
+    # initialize the state with a step of lr 0 (a step count of 1 that the next real step would inherit)
+    stepped = bool(optimizer.state)
+    osd = get_optimizer_state_dict(model, optimizer) if stepped else {}  # this rank's shards (DTensors), by FQN
     if rank != 0:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             raise RuntimeError(f"rank {rank}: rank 0 could not create the checkpoint dir for {name}")
-        dcp.save({"optimizer": osd}, checkpoint_id=Path(box[0]) / DCP_DIR)
+        if stepped:
+            dcp.save({"optimizer": osd}, checkpoint_id=Path(box[0]) / DCP_DIR)
         dist.barrier()  # rank 0 publishes after this
         return None
     root = Path(run_dir) / "checkpoints"
@@ -83,14 +87,18 @@ def save_sharded_checkpoint(run_dir: Path | str, name: str, model: torch.nn.Modu
         with atomic_dir(root / name) as tmp:
             dist.broadcast_object_list([str(tmp)], src=0)
             told = True
-            dcp.save({"optimizer": osd}, checkpoint_id=tmp / DCP_DIR)
+            if stepped:
+                dcp.save({"optimizer": osd}, checkpoint_id=tmp / DCP_DIR)
             dist.barrier()
-            _check_shards_present(tmp / DCP_DIR)
+            if stepped:
+                _check_shards_present(tmp / DCP_DIR)
+            else:
+                (tmp / OPTIM_FILE).parent.mkdir()
             model.save_pretrained(tmp, safe_serialization=True, state_dict=full)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             save_file({"__torch_rng_state__": torch.get_rng_state()}, str(tmp / OPTIM_FILE))
-            meta = {"format": "dcp", "dir": DCP_DIR, "world_size": world}
+            meta = {"format": "dcp", "dir": DCP_DIR, "world_size": world} if stepped else {}
             atomic_write_json(tmp / STATE_FILE, dict(state or {}, optimizer=meta, optimizer_saved=True,
                                                      world_size=world, saved_at=time.time()), sort_keys=True)
     except BaseException:
@@ -139,7 +147,7 @@ def load_optimizer_any(ckpt: Path | str, model: torch.nn.Module, optimizer: torc
         dcp.load({"optimizer": osd}, checkpoint_id=ckpt / meta.get("dir", DCP_DIR))
         set_optimizer_state_dict(model, optimizer, osd)
         return
-    if not meta:  # a 1-rank checkpoint of a run that had taken no optimizer step
+    if not meta:  # a checkpoint of a run that had taken no optimizer step
         return
     # a 1-rank checkpoint (full moments per parameter name) onto N > 1 ranks: cut into this rank's shards
     template = get_optimizer_state_dict(model, optimizer)

@@ -75,6 +75,9 @@ def run_job(link: RankLink, mode: str, out_dir: Path, run_name: str, tag: str) -
     if mode == "resume":
         assert policy.resumed and policy.start_step == 2, (policy.resumed, policy.start_step)
         dump("2")
+    else:  # a checkpoint before any optimizer step: no moments to write, and the optimizer stays untouched
+        policy.save(run_dir, "step_000000", {"step": 0, "data_cursor": 0, "run_id": tag} if rank == 0 else None)
+        assert not policy.optimizer.state
     for step in range(policy.start_step + 1, 4):
         policy.set_lr(step)
         metrics[step] = policy.update(payload(step, vocab), loss_cfg)

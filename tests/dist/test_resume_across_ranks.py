@@ -100,6 +100,8 @@ def test_the_two_rank_checkpoint_holds_hf_weights_and_dcp_optimizer_shards(runs:
     assert sorted(p.name for p in dcp_dir.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert [p.name for p in checkpoint_files(ckpt)] == ["model.safetensors"]  # engines see the weights only
     assert not list((runs / "run2" / "checkpoints").glob(".tmp-*"))
+    step0 = runs / "run2" / "checkpoints" / "step_000000"  # saved before any optimizer step: no moments
+    assert read_state(step0)["optimizer"] == {} and not (step0 / "trainer_state" / "optimizer_dcp").exists()
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)  # what vLLM and the probe load
     _assert_equal({k: v for k, v in model.state_dict().items()}, _part(_load(runs, "t2")[1], "w2."))
 
