@@ -49,7 +49,7 @@ REL = 1e-5
 EXACT = ("kept_tokens", "response_tokens", "micro_batches", "n_updates")
 B1, B2, EPS = 0.9, 0.999, 1e-8  # RunConfig's adam_beta1 / adam_beta2, the trainer's AdamW eps
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isolated]  # it launches its own processes, shares nothing
 
 
 def _launch(out: Path, ranks: int, *jobs: str) -> None:
