@@ -36,6 +36,7 @@ class VllmBackend:
 
         self._llm = llm
         self._epoch = 0  # reloads so far: the prefix-cache salt of new requests
+        self.last_reload_s = 0.0  # the slowest worker's own time for the last reload (bench_swap's breakdown)
         self._SamplingParams = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.model = settings.model
@@ -136,6 +137,7 @@ class VllmBackend:
         if not keep_running:  # nothing in flight (the engine drained): apply, then drop the prefix cache
             results = await self._llm.collective_rpc("forkrl_reload_safetensors", args=(path,))
             self._epoch += 1
+            self.last_reload_s = max(float(r["seconds"]) for r in results)
             await self._llm.reset_prefix_cache()
             if before_resume is not None:
                 before_resume()
@@ -150,6 +152,7 @@ class VllmBackend:
         try:
             results = await self._llm.collective_rpc("forkrl_reload_safetensors", args=(path,))
             self._epoch += 1
+            self.last_reload_s = max(float(r["seconds"]) for r in results)
             if before_resume is not None:
                 before_resume()
         finally:
