@@ -66,7 +66,8 @@ def test_a_push_during_generation_keeps_the_samples_and_later_tokens_use_the_new
             client.generate([PROMPT], n=n, temperature=1.0, max_new_tokens=max_new, seed=11)))
         sampler.start()
         try:
-            wait_until(lambda: client.info().counters.running_requests == n, 60, "every sample in the engine")
+            wait_until(lambda: client.info().counters.running_requests > 0 or not sampler.is_alive(), 60,
+                       "the samples to reach the engine")
             assert client.update_weights(new_state, v0 + 1) == v0 + 1
             assert client.last_weights_response.drain_s == 0.0
         finally:
