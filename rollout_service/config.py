@@ -47,6 +47,11 @@ class RolloutSettings(TokenSettings):
     """Where the model runs. uni: inside vLLM's engine-core process (2 processes in all, faster start,
     ~0.6 GB less RSS); mp: in a separate worker process with vLLM's OpenMP core binding (vLLM's default
     on CPU). The gRPC server runs apart from the model in both."""
+    swap_mode: Literal["inplace", "drain"] = "inplace"
+    """How pushed weights replace the served ones. inplace: between two engine steps, the samples in flight
+    continue under the new weights (generation stalls for one pause + apply + resume; a sample reports the
+    versions it was sampled with, first and last); drain: new samples wait until every sample in flight has
+    finished, so each sample has one version, but generation runs dry for the drain (bench/bench_swap.py)."""
     max_num_seqs: int = Field(256, gt=0)
     """Most sequences the engine batches at once (vLLM's max_num_seqs)."""
     max_samples_per_request: int = Field(65536, gt=0)

@@ -6,10 +6,21 @@ behind the `Backend` protocol (`types.py`): `VllmBackend` (`vllm_backend.py`, th
 vLLM) or a fake in the plumbing tests, so this logic is tested without a model. Pushed weights are received
 and verified in `staging.py`.
 
-Swap protocol ("drain, then swap", see `gate.py`): a weight update closes the gate for new samples, waits
-until every sample already submitted to the engine has finished, reloads, resets the prefix cache, bumps
-the version and reopens the gate, so every trajectory reports the one version that produced it. Health is
-NOT_SERVING from the moment the gate closes until it reopens.
+Swap protocols (`swap_mode`):
+- "inplace" (default): the backend pauses the engine between two engine steps with the requests in flight
+  kept scheduled, applies the weights in place, bumps the version and resumes: generation stalls for one
+  pause + apply + resume, never for the samples in flight (bench/bench_swap.py measures it). A sample in
+  flight during a push continues under the new weights (its KV cache of earlier tokens stays), so its tokens
+  may come from two versions: it reports `policy_version` = the version served when it was submitted (no
+  older than its first token's) and `last_policy_version` = the version served when it finished (never older
+  than its last token's: the version is bumped before the engine resumes). Its per-token logprobs are those
+  of the weights that sampled each token, which is what the behaviour correction needs. The prefix cache is
+  salted with the weights (vllm_backend.py), so no later request reuses KV blocks of replaced weights.
+  Health stays SERVING.
+- "drain" ("drain, then swap", see `gate.py`): a weight update closes the gate for new samples, waits until
+  every sample already submitted to the engine has finished, reloads, resets the prefix cache, bumps the
+  version and reopens the gate, so every trajectory reports the one version that produced it. Health is
+  NOT_SERVING from the moment the gate closes until it reopens.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ from rollout_service.types import (
 )
 
 log = logging.getLogger("rollout_service")
+SWAP_MODES = ("inplace", "drain")
 
 
 class RolloutEngine:
@@ -54,7 +66,11 @@ class RolloutEngine:
         max_samples_per_request: int = 65536,
         staging_dir: str | Path | None = None,
         on_serving: Callable[[bool], Awaitable[None]] | None = None,
+        swap_mode: str = "inplace",
     ) -> None:
+        if swap_mode not in SWAP_MODES:
+            raise ValueError(f"swap_mode must be one of {SWAP_MODES}, got {swap_mode!r}")
+        self.swap_mode = swap_mode
         self.backend = backend
         self.version = 0
         self.counters = Counters()
@@ -159,14 +175,14 @@ class RolloutEngine:
         version = self.version
         self.counters.requests += 1
         base = f"{tag or 'gen'}-{uuid.uuid4().hex[:12]}"
-        done: asyncio.Queue[tuple[int, int, str, asyncio.Task[Completion]]] = asyncio.Queue()
+        done: asyncio.Queue[tuple[int, int, str, asyncio.Task[Completion], int]] = asyncio.Queue()
         pending: dict[str, asyncio.Task[Completion]] = {}
 
         def on_done(task: asyncio.Task[Completion], i: int, j: int, rid: str) -> None:
             # Leaving the gate when the engine is done (not when the client has read the sample) keeps
             # a slow reader from holding up a weight swap.
             self._gate.leave(1)
-            done.put_nowait((i, j, rid, task))
+            done.put_nowait((i, j, rid, task, self.version))  # the newest version that can have sampled it
 
         for i, ids in enumerate(prompt_ids):
             for j in range(spec.n):
@@ -182,13 +198,16 @@ class RolloutEngine:
                 while not done.empty():  # everything that finished in the same engine step
                     ready.append(done.get_nowait())
                 batch = []
-                for i, j, rid, task in ready:
+                for i, j, rid, task, last_version in ready:
                     del pending[rid]
                     c = task.result()  # an engine error ends the call; `finally` aborts the rest
+                    if self._broken:  # an in-place reload failed while this sample ran: its weights are unknown
+                        raise FailedPrecondition(self._broken)
                     self.counters.samples += 1
                     self.counters.prompt_tokens += len(prompt_ids[i])
                     self.counters.generated_tokens += len(c.token_ids)
-                    batch.append(Sample(i, j, prompt_ids[i], c.token_ids, c.text, c.logprobs, c.finish_reason, version))
+                    batch.append(Sample(i, j, prompt_ids[i], c.token_ids, c.text, c.logprobs, c.finish_reason, version,
+                                        last_version))
                 left -= len(batch)
                 yield batch
         finally:
@@ -275,7 +294,8 @@ class RolloutEngine:
                 # The reload runs as its own task: if the caller's RPC is cancelled mid-reload (or while
                 # draining), the reload still completes and the version is committed, so version and
                 # weights never disagree. The task, not the caller, removes the staged file afterwards.
-                task = asyncio.create_task(self._drain_and_reload(path, target_version))
+                swap = self._drain_and_reload if self.swap_mode == "drain" else self._reload_in_place
+                task = asyncio.create_task(swap(path, target_version))
                 if staged is not None:
                     task.add_done_callback(lambda _t, f=staged: f.unlink(missing_ok=True))
                     staged = None
@@ -308,6 +328,32 @@ class RolloutEngine:
                 await self._set_serving(True)
         log.info("weights v%d in place: drain %.3f s, apply %.3f s", target_version, t1 - t0, t2 - t1)
         return SwapResult(version=target_version, apply_s=t2 - t1, drain_s=t1 - t0)
+
+    async def _reload_in_place(self, path: str, target_version: int) -> SwapResult:
+        """Pause between engine steps (requests in flight stay scheduled), apply, bump the version, resume."""
+        t0 = time.perf_counter()
+        was_broken = self._broken is not None
+
+        def commit() -> None:  # the new weights are in place, the engine still paused
+            self._broken = None
+            self.version = target_version
+            self.counters.weight_reloads += 1
+
+        try:
+            await self.backend.reload(path, keep_running=True, before_resume=commit)
+        except Exception as e:
+            self._broken = (
+                f"an in-place weight reload failed half-way ({type(e).__name__}: {e}); the served weights are "
+                "unknown until a push or load succeeds"
+            )
+            log.exception("in-place weight reload from %s failed", path)
+            await self._set_serving(False)
+            raise FailedPrecondition(self._broken) from e
+        t1 = time.perf_counter()
+        if was_broken:
+            await self._set_serving(True)
+        log.info("weights v%d in place (in flight kept): apply %.3f s", target_version, t1 - t0)
+        return SwapResult(version=target_version, apply_s=t1 - t0, drain_s=0.0)
 
     async def _set_serving(self, serving: bool) -> None:
         if self._on_serving is not None:

@@ -1,10 +1,11 @@
-"""The swap gate: how a weight update waits for the samples in flight ("drain, then swap").
+"""The swap gate: how a weight update waits for the samples in flight ("drain, then swap", `--swap-mode drain`).
 
 A weight update first closes the gate for new samples, waits until every sample already submitted to the
 engine has finished, reloads, and reopens the gate. Every trajectory is therefore produced by one set of
 weights and reports that version. New Generate calls wait at the gate (they are not rejected).
-vLLM's own `pause_generation(mode="keep")` would swap faster under load but mixes versions inside a
-trajectory, which the trainer's ratios cannot use.
+The default swap mode, "inplace" (engine.py), pauses vLLM between two engine steps instead ("keep" mode):
+it never waits for samples, and a sample in flight then mixes two versions, which it reports (first and
+last) and which the trainer's behaviour correction handles with the per-token log-probs.
 """
 
 from __future__ import annotations

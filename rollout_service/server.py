@@ -76,6 +76,7 @@ def trajectory(s: Sample) -> pb.Trajectory:
         logprobs=s.logprobs,
         finish_reason=_FINISH.get(s.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
         policy_version=s.policy_version,
+        last_policy_version=s.last_policy_version,
     )
 
 
@@ -138,6 +139,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             max_samples_per_request=self.settings.max_samples_per_request,
             staging_dir=self.settings.staging_dir,
             on_serving=self.set_serving,
+            swap_mode=self.settings.swap_mode,
         )
         await self.set_serving(True)
 

@@ -8,6 +8,7 @@ went wrong without importing grpc. `Backend` is what `RolloutEngine` needs from 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,7 +80,8 @@ class Sample:
     completion_text: str
     logprobs: list[float]
     finish_reason: str
-    policy_version: int
+    policy_version: int  # served when the sample was submitted: no newer than its first token's weights
+    last_policy_version: int  # served when it finished: no older than its last token's (== in drain mode)
 
 
 @dataclass
@@ -119,7 +121,13 @@ class Backend(Protocol):
         self, request_id: str, prompt_ids: list[int], spec: SamplingSpec, seed: int | None
     ) -> Completion: ...
     async def abort(self, request_ids: list[str]) -> None: ...
-    async def reload(self, path: str) -> None: ...
+    async def reload(
+        self, path: str, *, keep_running: bool = False, before_resume: Callable[[], None] | None = None
+    ) -> None:
+        """Apply the weights at `path`. keep_running: between two engine steps, with the requests in flight
+        kept scheduled (they continue under the new weights); before_resume runs once the weights are in
+        place, before the engine steps again."""
+        ...
     def num_unfinished(self) -> int: ...
     def errored(self) -> bool: ...
     def shutdown(self) -> None: ...

@@ -2,6 +2,13 @@
 
 One engine request per sample (FINAL_ONLY outputs, the sampled token's logprob at the request's
 temperature), abort, in-place reload through the worker extension (`worker_ext.py`), prefix-cache reset.
+
+Reload with requests in flight (`keep_running=True`, swap mode "inplace"): the engine core's scheduler is
+paused in vLLM's "keep" mode (it finishes the step it is in, then skips steps with every request kept
+scheduled, KV cache included), the weights are applied through `collective_rpc` and the scheduler resumes:
+generation stalls for those three engine-core calls only. The prefix cache cannot be reset while requests
+hold KV blocks, so every request carries `cache_salt` = the weights' epoch (bumped by each reload): a later
+request never matches a block computed by replaced weights.
 vLLM is imported inside the methods, so the rest of the service (and its plumbing tests) imports without it.
 """
 
@@ -9,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from rollout_service.types import Completion, InvalidArgument, SamplingSpec
@@ -27,6 +35,8 @@ class VllmBackend:
         from vllm.sampling_params import RequestOutputKind
 
         self._llm = llm
+        self._epoch = 0  # reloads so far: the prefix-cache salt of new requests
+        self.last_reload_s = 0.0  # the slowest worker's own time for the last reload (bench_swap's breakdown)
         self._SamplingParams = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.model = settings.model
@@ -96,7 +106,8 @@ class VllmBackend:
         except ValueError as e:  # vLLM's own checks (VLLMValidationError): a bad request, not a bug
             raise InvalidArgument(f"sampling: {e}") from None
         final = None
-        prompt = {"type": "token", "prompt_token_ids": prompt_ids}  # vllm.inputs.engine.TokensInput
+        prompt = {"type": "token", "prompt_token_ids": prompt_ids,  # vllm.inputs.engine.TokensInput
+                  "cache_salt": f"w{self._epoch}"}
         async for out in self._llm.generate(prompt, params, request_id=request_id):
             final = out
         assert final is not None and final.finished
@@ -120,10 +131,33 @@ class VllmBackend:
     async def abort(self, request_ids: list[str]) -> None:
         await self._llm.abort(request_ids)
 
-    async def reload(self, path: str) -> None:
-        results = await self._llm.collective_rpc("forkrl_reload_safetensors", args=(path,))
-        await self._llm.reset_prefix_cache()
-        log.debug("reload results: %s", results)
+    async def reload(
+        self, path: str, *, keep_running: bool = False, before_resume: Callable[[], None] | None = None
+    ) -> None:
+        if not keep_running:  # nothing in flight (the engine drained): apply, then drop the prefix cache
+            results = await self._llm.collective_rpc("forkrl_reload_safetensors", args=(path,))
+            self._epoch += 1
+            self.last_reload_s = max(float(r["seconds"]) for r in results)
+            await self._llm.reset_prefix_cache()
+            if before_resume is not None:
+                before_resume()
+            log.debug("reload results: %s", results)
+            return
+        # The engine core's own pause, not AsyncLLM.pause_generation: that one also sleeps 20 ms (only to
+        # order log output) and clears the multi-modal cache, both pure stall here. "keep" returns once the
+        # step in progress is done and its outputs are queued; clear_cache=False keeps the running requests'
+        # KV blocks (a reset would preempt them and recompute every prompt: a stall of a full prefill).
+        core = self._llm.engine_core
+        await core.pause_scheduler_async(mode="keep", clear_cache=False)
+        try:
+            results = await self._llm.collective_rpc("forkrl_reload_safetensors", args=(path,))
+            self._epoch += 1
+            self.last_reload_s = max(float(r["seconds"]) for r in results)
+            if before_resume is not None:
+                before_resume()
+        finally:
+            await core.resume_scheduler_async()
+        log.debug("reload results (in flight kept): %s", results)
 
     def num_unfinished(self) -> int:
         return int(self._llm.get_num_unfinished_requests())

@@ -14,8 +14,14 @@ r = exp(clamp(logp - old, -20, 20)) (§0):
 | dapo      | grpo      | PPO(r, A; eps_l, eps_h) [+ dual clip c]   | token_mean            | 0.2 / 0.28   |
 | gspo      | grpo      | PPO(s_it, A), GSPO-token, s_i all tokens  | seq_mean_token_mean   | 3e-4 / 4e-4  |
 | cispo     | grpo      | -sg(min(r, cispo_max_weight)) * A * logp  | token_mean            | cap 5.0      |
+|           |           | (with tis_cap: r = π_θ / π_behav, below)  |                       |              |
 | reinforce | reinforce | -A * logp (no ratio, on-policy)           | seq_mean_token_sum    | none         |
 | rloo      | rloo      | -A * logp (no ratio, on-policy)           | seq_mean_token_sum    | none         |
+
+CISPO's behaviour correction (§3.8): CISPO already is an IS weight, so with `tis_cap` set its denominator is the
+behaviour policy itself, r_behav = exp(clamp(logp - behav_logp, -20, 20)), truncated at cispo_max_weight, with no
+extra TIS weight w_t (the stale/mismatched sampler is corrected by the one truncated ratio π_θ / π_behav). The
+ratio metrics stay π_θ / π_old; clip_frac_high is then the fraction of kept tokens whose r_behav was truncated.
 
 PPO(r, A) = max(-r A, -clip(r, 1 - eps_l, 1 + eps_h) A); with dual clip c > 1, terms with A < 0 are capped
 at -c A (verl `clip_ratio_c`). Optional k3 KL: + kl_beta * (exp(ref - logp) - (ref - logp) - 1), exponent
@@ -119,6 +125,8 @@ class LossConfig:
     agg: aggregator override. mask_norm: "kept" | "all". entropy_top_frac: rho in (0, 1], None/1 = off.
     mask_scope: "microbatch" | "step" (only used to count kept tokens in step_denominator).
     tis_cap: C of truncated importance sampling on the behaviour policy, >= 1 (forkrl/rl/tis.py); None = off.
+        For cispo it switches on the behaviour correction of its own IS weight (π_θ / π_behav, truncated at
+        cispo_max_weight; C is then only the threshold of the tis_* mismatch statistics).
     """
 
     name: LossName
@@ -166,9 +174,6 @@ class LossConfig:
             if not self.cispo_max_weight > 0.0:
                 raise ValueError(f"cispo_max_weight must be > 0, got {self.cispo_max_weight}")
         if self.tis_cap is not None:
-            if n == "cispo":
-                raise ValueError("tis_cap is not used by loss 'cispo' (its IS weight is already truncated at "
-                                 "cispo_max_weight); leave it None")
             if not (self.tis_cap >= 1.0 and math.isfinite(self.tis_cap)):
                 raise ValueError(f"tis_cap must be a finite number >= 1, got {self.tis_cap}")
         if not (self.kl_beta >= 0.0 and math.isfinite(self.kl_beta)):
@@ -313,6 +318,7 @@ def policy_loss(
     denom: StepDenominator,
     ref_logp: Tensor | None = None,
     is_weight: Tensor | None = None,
+    behav_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """This micro-batch's share of the step loss, and its metrics.
 
@@ -326,6 +332,8 @@ def policy_loss(
         denom: from step_denominator() over the whole step. ref_logp: [B, T], required if kl_beta > 0
             (with kl_beta = 0 it only feeds the kl_mean metric). is_weight: [B, T] detached per-token
             weight multiplying the policy term (truncated IS on the behaviour policy, forkrl/rl/tis.py); None = 1.
+            behav_logp: [B, T] π_behav, the rollout engine's log-probs: cispo only (its behaviour correction,
+            §3.8, needs cfg.tis_cap): the IS weight becomes sg(min(π_θ / π_behav, cispo_max_weight)).
     Returns:
         (loss, metrics). loss: scalar, this micro-batch's share (sum over the step's micro-batches = the
         step loss). metrics (floats): loss, pg_loss, kl_loss (unweighted KL) are shares too; clip_frac_low,
@@ -333,8 +341,13 @@ def policy_loss(
         ratio_min, ratio_max, kl_mean are over its response tokens (ratio metrics only when old_logp is given, KL ones
         only when ref_logp is); kept_tokens, response_tokens, kept_frac are counts in this micro-batch.
     """
-    _check_inputs(cfg, logp, {"old_logp": old_logp, "ref_logp": ref_logp, "is_weight": is_weight}, advantages,
-                  denom)
+    _check_inputs(cfg, logp, {"old_logp": old_logp, "ref_logp": ref_logp, "is_weight": is_weight,
+                              "behav_logp": behav_logp}, advantages, denom)
+    if behav_logp is not None and not (cfg.name == "cispo" and cfg.tis_cap is not None):
+        raise ValueError(f"behav_logp is only used by loss 'cispo' with tis_cap set (its behaviour correction); "
+                         f"got loss {cfg.name!r} with tis_cap={cfg.tis_cap}")
+    if cfg.name == "cispo" and cfg.tis_cap is not None and behav_logp is None:
+        raise ValueError("loss 'cispo' with tis_cap needs behav_logp (the rollout engine's log-probs)")
     resp = _check_mask(response_mask, "response_mask", tuple(logp.shape))
     w = resp if token_mask is None else _check_mask(token_mask, "token_mask", tuple(logp.shape))
     if old_logp is None and cfg.name in _NEEDS_OLD_LOGP:
@@ -377,12 +390,18 @@ def policy_loss(
         ratio = torch.exp(delta.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
 
     clip = cfg.clip
+    capped: Tensor | None = None
     if clip is not None:
         assert ratio is not None
         pg = _ppo(ratio, adv, clip[0], clip[1], cfg.dual_clip_c)
     elif cfg.name == "cispo":
         assert ratio is not None
-        pg = -ratio.detach().clamp(max=cfg.cispo_cap) * adv * lp  # sg(r_hat) A logp (§3.6)
+        is_ratio = ratio
+        if behav_logp is not None:  # behaviour correction (§3.8): π_behav is the IS weight's denominator
+            d_behav = lp.detach() - torch.where(resp, behav_logp.detach().to(lp.dtype), 0.0)
+            is_ratio = torch.exp(d_behav.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+        capped = is_ratio.detach() > cfg.cispo_cap  # clip_frac_high: the tokens whose IS weight was truncated
+        pg = -is_ratio.detach().clamp(max=cfg.cispo_cap) * adv * lp  # sg(r_hat) A logp (§3.6)
     else:  # reinforce, rloo: no importance ratio (§3.4)
         pg = -adv * lp
     if is_weight is not None:  # TIS (§3.8): a detached per-token weight, 1 = off
@@ -401,7 +420,7 @@ def policy_loss(
             kl_loss = _aggregate(k3, resp, resp, agg, "all", denom.response_tokens, denom.seqs, max_len)
         if cfg.kl_beta > 0:
             loss = loss + cfg.kl_beta * kl_loss
-    return loss, _metrics(cfg, ratio, adv, w, resp, k3, loss, pg_loss, kl_loss, n_w, n_resp)
+    return loss, _metrics(cfg, ratio, adv, w, resp, k3, loss, pg_loss, kl_loss, n_w, n_resp, capped)
 
 
 def _metrics(
@@ -416,6 +435,7 @@ def _metrics(
     kl_loss: Tensor | None,
     n_w: int,
     n_resp: int,
+    capped: Tensor | None,
 ) -> dict[str, float]:
     names: list[str] = ["loss", "pg_loss"]
     with torch.no_grad():
@@ -430,7 +450,7 @@ def _metrics(
                 low, high = (adv < 0) & (r < 1 - clip[0]), (adv > 0) & (r > 1 + clip[1])
             else:  # cispo: the IS weight is capped from above only; reinforce/rloo clip nothing
                 low = torch.zeros_like(w)
-                high = r > cfg.cispo_cap if cfg.name == "cispo" else torch.zeros_like(w)
+                high = capped if capped is not None else torch.zeros_like(w)
             names += ["clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max", "ratio_min"]
             vals += [
                 (low & w).sum().to(f64) / kept,

@@ -19,7 +19,8 @@ What happens (algorithms.md §0–§3, §3.8):
    (§2.3). For `mask_scope="step"` a no-grad pass first computes the entropies of every micro-batch of the
    mini-batch so that one top-k is taken over the whole update. Per micro-batch: forward in fp32 → logp and
    entropy at the sampling temperature in one chunked pass → forking-token mask (entropy of the *current*
-   weights, §1.3) → the optional truncated-IS weight (forkrl/rl/tis.py, `loss_cfg.tis_cap`) → the loss's
+   weights, §1.3) → the optional truncated-IS weight (forkrl/rl/tis.py, `loss_cfg.tis_cap`; for CISPO the
+   behaviour log-probs become its IS weight's denominator instead) → the loss's
    share of the update loss → backward. Then gradient clipping and the optimizer step.
 4. After the last update, one no-grad pass gives approx_kl = k3 estimate of KL(π_old ‖ π_new) on the kept
    tokens of each micro-batch's last update (and on all response tokens: approx_kl_all).
@@ -177,13 +178,15 @@ def _update(
             with torch.no_grad():
                 ref_logp, _ = _forward(ref_model, mb, temperature, False)
         old_logp = logp.detach() if old_logps is None else old_logps[j]
-        is_weight = None
+        is_weight = behav_logp = None
         if loss_cfg.tis_cap is not None:
             is_weight, raw = tis_weights(old_logp, mb.rollout_logp, mb.response_mask, loss_cfg.tis_cap,
                                          per_sequence=loss_cfg.name == "gspo")
             acc.tis.append((raw, mb.response_mask, token_mask))
+            if loss_cfg.name == "cispo":  # its own IS weight takes π_behav as denominator, no extra w_t (§3.8)
+                is_weight, behav_logp = None, mb.rollout_logp
         loss, m = policy_loss(loss_cfg, logp, old_logp, advantages[s:e], mb.response_mask, token_mask, denom,
-                              ref_logp=ref_logp, is_weight=is_weight)
+                              ref_logp=ref_logp, is_weight=is_weight, behav_logp=behav_logp)
         loss.backward()
         for key, v in m.items():
             if key == "ratio_max":

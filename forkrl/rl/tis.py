@@ -20,7 +20,9 @@ The weight is a constant per token: it rescales the token's gradient and never c
 bounds the variance a token with a tiny behaviour probability would add.
 - GSPO-token: one weight per sequence, sg(min(exp(mean_t (logp_old − logp_behav)), C)), over all response
   tokens (the geometric-mean form of its sequence ratio, §3.8).
-- CISPO is itself an IS weight (§3.6); LossConfig refuses tis_cap for it.
+- CISPO is itself an IS weight (§3.6): with tis_cap its weight becomes sg(min(π_θ / π_behav, cispo_max_weight)),
+  π_behav as its denominator directly, with no extra w_t (§3.8; forkrl/rl/losses.py). C then only sets the
+  threshold of the logged statistics below, which still describe π_old / π_behav.
 
 Logged per step (`tis_metrics`): the weight's mean on kept tokens, the largest raw ratio and the fraction of
 tokens whose raw ratio exceeds C, on all response tokens and on kept tokens (the trainer-vs-rollout mean

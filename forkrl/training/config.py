@@ -104,7 +104,8 @@ class RunConfig(BaseModel):
     """CISPO: absolute cap on the detached IS weight; unset = the loss default."""
     tis_cap: float | None = Field(None, ge=1)
     """Truncated importance sampling on the rollout engine's logprobs: weight each token's loss by
-    min(pi_old / pi_rollout, C) (published: 2.0; not for cispo); unset = off."""
+    min(pi_old / pi_rollout, C) (published: 2.0); for cispo: its IS weight becomes pi / pi_rollout, truncated at
+    its own cap (cispo_max_weight); unset = off."""
     weight_sync: WeightSync = "stream"
     """Push weights by streaming (UpdateWeights) or through the run dir (LoadWeights)."""
     eval_every: int = Field(0, ge=0)

@@ -11,8 +11,11 @@ The rule (algorithms.md §3.8): a trajectory sampled by policy version v may be 
 only if V − v ≤ k. The collector starts sampling step s only once the trainer has finished step s − 1 − k
 (trained it and pushed the weights, or skipped it): at that point the rollout serves at least the version
 the trainer held when step s − 1 − k ended, and at most k more pushes happen before step s is trained (one
-per step), so every trajectory of step s is at most k versions old when it is trained. A rollout service
-drains its in-flight samples before it loads new weights, so one request never mixes versions. k = 0 is the
+per step), so every trajectory of step s is at most k versions old when it is trained. A rollout service in
+swap mode "inplace" (its default) applies a push between two engine steps and lets the samples in flight
+continue under the new weights: such a trajectory reports `policy_version` = the version served when it was
+submitted (the oldest of its tokens') and `last_policy_version`; the bound uses the oldest, and the behaviour
+correction uses the engine's per-token log-probs, each from the weights that sampled it. k = 0 is the
 sync loop: sample step s only after step s − 1 pushed. The trainer still checks every batch against the rule
 (`staleness`) and drops a batch that breaks it (something else pushed weights), counting it.
 

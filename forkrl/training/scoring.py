@@ -63,6 +63,8 @@ class ScoredBatch:
                 response_len_mean=sum(lengths) / len(lengths),
                 truncated_frac=sum(t.finish_reason == FINISH_REASON_LENGTH for t in flat) / len(flat),
                 rollout_policy_version=float(min(t.policy_version for t in flat)),
+                # sampled across an in-place push: first tokens from one version, later ones from a newer
+                rollout_mixed_frac=sum(t.last_policy_version > t.policy_version for t in flat) / len(flat),
             )
         return out
 

@@ -59,8 +59,10 @@ def staging(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def service(model_dir: Path, staging: Path) -> Iterator[ServiceAddress]:
-    # expect_clean_stop: the module's teardown checks that SIGTERM stops the service and its engine
-    with start_rollout_service(model_dir, seed=0, kv_cache_gib=1, staging_dir=staging,
+    # expect_clean_stop: the module's teardown checks that SIGTERM stops the service and its engine.
+    # swap_mode drain: test_health_is_not_serving_during_a_swap checks the drain; the default, inplace, is
+    # tested against the real engine in test_swap_inplace.py
+    with start_rollout_service(model_dir, seed=0, kv_cache_gib=1, staging_dir=staging, swap_mode="drain",
                                log_path=staging.parent / "rollout.log", expect_clean_stop=True) as address:
         yield address
 
@@ -357,6 +359,7 @@ def test_health_is_not_serving_during_a_swap(client: RolloutClient, service: Ser
             watcher.join(5)
     assert statuses[0] == SERVING and NOT_SERVING in statuses
     assert len(inflight) == 64 and {t.policy_version for t in inflight} == {version}  # never mixed
+    assert {t.last_policy_version for t in inflight} == {version}
     assert client.last_weights_response.drain_s > 0
 
 

@@ -63,6 +63,7 @@ class FakeBackend:
         self.encoded: list[str] = []
         self.reloaded: list[dict[str, torch.Tensor]] = []
         self.reloads_started = 0
+        self.reloads_keep_running: list[bool] = []
         self.hold_from_sample: int | None = None
         self.sample_gate: asyncio.Event | None = None
         self.reload_gate: asyncio.Event | None = None
@@ -88,8 +89,9 @@ class FakeBackend:
     async def abort(self, request_ids: list[str]) -> None:
         self.aborted += request_ids
 
-    async def reload(self, path: str) -> None:
+    async def reload(self, path: str, *, keep_running: bool = False, before_resume: Any = None) -> None:
         self.reloads_started += 1
+        self.reloads_keep_running.append(keep_running)
         if self.reload_gate is not None:
             await self.reload_gate.wait()
         files = checkpoint_files(path)
@@ -99,6 +101,8 @@ class FakeBackend:
         if self.fail_reload is not None:
             raise self.fail_reload
         self.reloaded.append(state)
+        if before_resume is not None:
+            before_resume()
 
     def num_unfinished(self) -> int:
         return len(self.running)
@@ -114,9 +118,9 @@ class ServerThread:
     """The real grpc.aio server on its own event loop in a thread. The engine starts when `load_gate` is
     set (at once unless `hold_load`)."""
 
-    def __init__(self, model_dir: Path, staging_dir: Path, hold_load: bool = False) -> None:
+    def __init__(self, model_dir: Path, staging_dir: Path, hold_load: bool = False, swap_mode: str = "drain") -> None:
         self.settings = RolloutSettings(model=str(model_dir), port=0, staging_dir=str(staging_dir),
-                                        allowed_roots=[tempfile.gettempdir()])
+                                        allowed_roots=[tempfile.gettempdir()], swap_mode=swap_mode)
         self.staging_dir = staging_dir
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -644,3 +648,63 @@ def test_a_push_of_the_served_version_counts_as_applied(server: ServerThread, cl
     assert code == grpc.StatusCode.ABORTED and f"served version {version + 1}" in msg
     code, msg = _code_and_message(lambda: client.update_weights(good, version))
     assert code == grpc.StatusCode.ABORTED and client.info().version == version + 1
+
+
+def test_inplace_swap_keeps_samples_in_flight_and_reports_both_versions(model_dir: Path, tmp_path: Path):
+    """swap_mode inplace: a push while a sample runs is applied at once (no drain, health stays SERVING), the
+    sample finishes and reports the version it was submitted under and the one it finished under."""
+    s = ServerThread(model_dir, tmp_path / "staging", swap_mode="inplace")
+    try:
+        backend = s.backend
+        assert backend is not None
+        backend.sample_gate, backend.hold_from_sample = s.event(), 1  # sample 1 runs until released
+        new = {k: v * 2 for k, v in MODEL.items()}
+        with RolloutClient(s.address, timeout_s=20) as client:
+            out: list[pb.Trajectory] = []
+            sampler = threading.Thread(target=lambda: out.extend(client.generate([[1]], n=2, max_new_tokens=1)))
+            sampler.start()
+            try:
+                wait_until(lambda: backend.running, 10, "a sample in the engine")
+                backend.reload_gate = s.event()
+                pusher = threading.Thread(target=lambda: client.update_weights(new, 1))
+                pusher.start()
+                wait_until(lambda: backend.reloads_started == 1, 10, "the reload to start while a sample runs")
+                assert backend.running and client.health() == SERVING  # no drain, no NOT_SERVING
+                s.set(backend.reload_gate)
+                pusher.join(10)
+                assert client.info().version == 1 and backend.reloads_keep_running == [True]
+                assert client.last_weights_response.drain_s == 0.0
+            finally:
+                backend.hold_from_sample = None
+                s.set(backend.sample_gate)
+                sampler.join(10)
+            by_sample = {t.sample_index: t for t in out}
+            assert [(by_sample[j].policy_version, by_sample[j].last_policy_version) for j in (0, 1)] == [(0, 0), (0, 1)]
+            assert [(t.policy_version, t.last_policy_version) for t in client.generate([[1]], n=1, max_new_tokens=1)
+                    ] == [(1, 1)]
+            # a failed in-place reload: the sample in flight fails too (its weights are unknown), not serving
+            backend.fail_reload = RuntimeError("worker lost the file half-way")
+            backend.sample_gate, backend.hold_from_sample = s.event(), 0
+            errors: list[grpc.RpcError] = []
+
+            def sample() -> None:
+                try:
+                    list(client.generate([[1]], n=1, max_new_tokens=1))
+                except grpc.RpcError as e:
+                    errors.append(e)
+
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            try:
+                wait_until(lambda: backend.running, 10, "a sample in the engine")
+                code, _ = _code_and_message(lambda: client.update_weights(new, 2))
+                assert code == grpc.StatusCode.FAILED_PRECONDITION and client.health() == NOT_SERVING
+            finally:
+                backend.hold_from_sample = None
+                s.set(backend.sample_gate)
+                sampler.join(10)
+            assert [e.code() for e in errors] == [grpc.StatusCode.FAILED_PRECONDITION]
+            backend.fail_reload = None
+            assert client.update_weights(new, 2) == 2 and client.health() == SERVING
+    finally:
+        s.stop()

@@ -101,8 +101,7 @@ def test_loss_config_carries_every_loss_setting() -> None:
     assert cfg.loss_config() == losses.LossConfig(
         name="dapo", clip_low=0.1, clip_high=0.3, dual_clip_c=3.0, kl_beta=0.05, max_len=17, mask_norm="all",
         entropy_top_frac=0.2, mask_scope="step", tis_cap=2.0)
-    with pytest.raises(ValueError, match="tis_cap is not used by loss 'cispo'"):
-        RunConfig(loss="cispo", tis_cap=2.0, max_new_tokens=8).loss_config()
+    assert RunConfig(loss="cispo", tis_cap=2.0, max_new_tokens=8).loss_config().tis_cap == 2.0  # §3.8 correction
     assert RunConfig(loss="cispo", cispo_max_weight=2.0, max_new_tokens=5).loss_config().cispo_cap == 2.0
     for name in options.LOSS_NAMES:
         assert RunConfig(loss=name, group_size=2, max_new_tokens=8).loss_config().name == name

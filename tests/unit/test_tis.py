@@ -111,6 +111,71 @@ def test_train_step_uses_pi_old_over_the_rollout_logprobs_and_off_is_the_plain_l
 def test_tis_cap_is_validated_by_the_loss_config() -> None:
     with pytest.raises(ValueError, match="tis_cap must be a finite number >= 1, got 0.5"):
         LossConfig(name="grpo", tis_cap=0.5)
-    with pytest.raises(ValueError, match="tis_cap is not used by loss 'cispo'"):
-        LossConfig(name="cispo", tis_cap=2.0)
+    assert LossConfig(name="cispo", tis_cap=2.0).tis_cap == 2.0  # its behaviour correction (§3.8)
     assert LossConfig(name="gspo", tis_cap=2.0).tis_cap == 2.0
+
+
+def test_cispo_behaviour_correction_by_hand() -> None:
+    """§3.8: CISPO's IS weight takes π_behav as its denominator, truncated at its own cap, no extra w_t:
+    ℓ_t = −sg(min(π_θ/π_behav, cap)) · A · logπ_θ, token mean. float64, numbers written out."""
+    f64 = torch.float64
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], dtype=f64, requires_grad=True)
+    old = torch.tensor([[-1.2, -2.0, -0.4], [-0.3, -0.9, 0.0]], dtype=f64)  # π_old: only the ratio metrics
+    behav = torch.tensor([[-1.5, -1.0, -3.0], [-0.4, -0.2, 9.0]], dtype=f64)  # 9.0 sits on padding
+    resp = torch.tensor([[True, True, True], [True, True, False]])
+    adv = torch.tensor([1.0, -0.5], dtype=f64)
+    cfg = LossConfig(name="cispo", cispo_max_weight=2.0, tis_cap=2.0)
+    denom = step_denominator(cfg, [resp])
+    loss, m = policy_loss(cfg, logp, old, adv, resp, None, denom, behav_logp=behav)
+    loss.backward()
+    # π_θ/π_behav = e^0.5, e^-1, e^2.5 -> 2 (capped) | e^0.1, e^-0.5
+    w = [math.exp(0.5), math.exp(-1.0), 2.0, math.exp(0.1), math.exp(-0.5)]
+    a = [1.0, 1.0, 1.0, -0.5, -0.5]
+    lp = [-1.0, -2.0, -0.5, -0.3, -0.7]
+    want = -sum(wi * ai * li for wi, ai, li in zip(w, a, lp, strict=True)) / 5
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-12)
+    grad = logp.grad[resp].tolist()  # d/dlogp = −w·A/5: the weight carries no gradient
+    assert grad == pytest.approx([-wi * ai / 5 for wi, ai in zip(w, a, strict=True)], rel=1e-12)
+    assert m["clip_frac_high"] == pytest.approx(1 / 5)  # the one token whose weight was truncated
+    # the ratio metrics stay π_θ / π_old
+    assert m["ratio_max"] == pytest.approx(math.exp(0.2), rel=1e-12)
+    assert m["ratio_min"] == pytest.approx(math.exp(-0.1), rel=1e-12)
+    # without the correction the weight is π_θ/π_old: a different loss
+    plain, _ = policy_loss(LossConfig(name="cispo", cispo_max_weight=2.0), logp, old, adv, resp, None, denom)
+    assert float(plain.detach()) != pytest.approx(want, rel=1e-3)
+    with pytest.raises(ValueError, match="loss 'cispo' with tis_cap needs behav_logp"):
+        policy_loss(cfg, logp, old, adv, resp, None, denom)
+    with pytest.raises(ValueError, match="behav_logp is only used by loss 'cispo' with tis_cap set"):
+        policy_loss(LossConfig(name="dapo"), logp, old, adv, resp, None, denom, behav_logp=behav)
+
+
+def test_train_step_cispo_uses_the_rollout_logprobs_as_its_denominator() -> None:
+    """Through train_step: one update, π_θ = π_old at the forward, weight min(exp(logp − behav), cap), no w_t."""
+    prompts, comps, _ = _trajectories(8, seed=2)
+    g = torch.Generator().manual_seed(0)
+    lps = [(-1.0 - torch.rand(len(c), generator=g) * 5).tolist() for c in comps]
+    batch = build_batch(prompts, comps, lps, pad_id=0)
+    adv = torch.linspace(-1, 1, 8)
+    base = _model()
+    cfg = LossConfig(name="cispo", cispo_max_weight=3.0, tis_cap=2.0)
+    ours = copy.deepcopy(base)
+    m = train_step(ours, torch.optim.SGD(ours.parameters(), lr=0.5), batch, adv, cfg, temperature=1.0,
+                   micro_batch_size=8, max_grad_norm=1e9)
+
+    ref = copy.deepcopy(base)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref.train()
+    logp, _ = _forward(ref, batch, 1.0, False)
+    resp = batch.response_mask
+    w = torch.where(resp, (logp.detach() - batch.rollout_logp).exp(), 0.0).clamp(max=3.0)
+    n = int(resp.sum())
+    loss = -(w * adv[:, None] * torch.where(resp, logp, 0.0)).sum() / n  # token mean, mask off
+    loss.backward()
+    opt.step()
+    assert m["loss"] == pytest.approx(float(loss.detach()), rel=8 * FP32_EPS)
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=8 * FP32_EPS * max(1.0, float(b.detach().abs().max()))), name
+    raw = (logp.detach() - batch.rollout_logp).exp()[resp]
+    assert m["clip_frac_high"] == pytest.approx(float((raw > 3.0).double().mean()))
+    assert 0 < m["clip_frac_high"] < 1  # the case exercises the truncation
+    assert m["tis_capped_frac"] == pytest.approx(float((raw > 2.0).double().mean()))  # stats at C = tis_cap

@@ -40,9 +40,11 @@ class ScriptedRollouts:
         return groups
 
 
-def _trajectory(text: str, finish_reason: int = 1, version: int = 0) -> SimpleNamespace:
+def _trajectory(text: str, finish_reason: int = 1, version: int = 0, last_version: int | None = None
+                ) -> SimpleNamespace:
     return SimpleNamespace(completion_text=text, completion_token_ids=list(range(len(text))),
-                           finish_reason=finish_reason, policy_version=version)
+                           finish_reason=finish_reason, policy_version=version,
+                           last_policy_version=version if last_version is None else last_version)
 
 
 def _cfg(**kw) -> RunConfig:
@@ -144,11 +146,12 @@ def test_dynamic_sampling_decides_on_correctness_before_the_overlong_penalty(dat
 
 
 def test_scored_batch_metrics_by_hand() -> None:
-    groups = [[_trajectory("12", finish_reason=2, version=3), _trajectory("1234", version=4)]]
+    groups = [[_trajectory("12", finish_reason=2, version=3), _trajectory("1234", version=4, last_version=5)]]
     scored = ScoredBatch(groups, [], torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]), rounds=1, seen_groups=1,
                          mixed_groups=1, time_generate_s=0.5, time_score_s=0.1)
     m = scored.metrics()
     assert m["response_len_mean"] == 3.0 and m["truncated_frac"] == 0.5 and m["rollout_policy_version"] == 3.0
+    assert m["rollout_mixed_frac"] == 0.5  # one of two sampled across an in-place push (versions 4 and 5)
     assert m["reward_std"] == pytest.approx(2 ** -0.5) and scored.response_tokens == 6
 
 

@@ -61,7 +61,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_tag: _Optional[str] = ..., prompt_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("prompt_index", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_text", "logprobs", "finish_reason", "policy_version")
+    __slots__ = ("prompt_index", "sample_index", "prompt_token_ids", "completion_token_ids", "completion_text", "logprobs", "finish_reason", "policy_version", "last_policy_version")
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class Trajectory(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     prompt_index: int
     sample_index: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -78,7 +79,8 @@ class Trajectory(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: FinishReason
     policy_version: int
-    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    last_policy_version: int
+    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("trajectory", "trajectories")

@@ -1,0 +1,168 @@
+"""How long a weight push stalls generation: swap mode "inplace" vs "drain", in engine steps.
+
+    python bench/bench_swap.py                           # the embedded tiny model, 16 slots, 8 pushes
+    python bench/bench_swap.py --model DIR --slots 64 --max-new-tokens 128 --pushes 12 --threads 2
+
+The rollout service's own RolloutEngine and VllmBackend run in this process (no gRPC: the swap is the same
+code), under an async-RL load: `--slots` concurrent generation slots, each submitting one sample after
+another (the next as soon as the last finished), as a trainer sampling ahead does. After a warm-up, pushes
+(LoadWeights of alternating checkpoints, the two modes alternating too, so both see the same load) come
+every `--every-s` seconds. The backend streams tokens (DELTA outputs) only to time them.
+
+Per slot, the gap between consecutive generated tokens (across its samples) is one engine step in steady
+state (plus a prefill when a new sample starts). Printed per mode:
+- step: the median gap over all gaps that do not overlap a push;
+- stall: per push, the longest gap of any slot that overlaps the push (from the call to its return);
+- stall / step, per push (median and max), with apply_s and drain_s as the engine reports them and the
+  worker's own reload time (vLLM's reload_weights from the safetensors file) inside apply_s.
+The issue's target is a stall of at most one engine step per push. "inplace" stalls for the apply alone
+(pause, the worker's reload, resume); "drain" for the drain as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded tiny model)")
+    p.add_argument("--slots", type=int, default=16, help="concurrent samples")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--pushes", type=int, default=8, help="pushes in all (half per mode)")
+    p.add_argument("--every-s", type=float, default=1.5, help="seconds between pushes")
+    p.add_argument("--warmup-s", type=float, default=2.0)
+    p.add_argument("--threads", type=int, default=1, help="engine threads")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    return p.parse_args()
+
+
+def model_dir(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    from forkrl.models.tiny import default_model_dir
+
+    return default_model_dir()
+
+
+def checkpoints(src: Path, out: Path) -> list[Path]:
+    """The served weights and a perturbed copy, as two checkpoint directories."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from forkrl.weights.safetensors import checkpoint_files
+
+    state = {k: v for f in checkpoint_files(src) for k, v in load_file(f).items()}
+    g = torch.Generator().manual_seed(0)
+    dirs = []
+    for k, scale in enumerate((0.0, 0.1)):
+        d = out / f"ckpt{k}"
+        d.mkdir()
+        st = {n: (v + scale * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype).contiguous()
+              for n, v in state.items()}
+        save_file(st, str(d / "model.safetensors"))
+        dirs.append(d)
+    return dirs
+
+
+async def run(args: argparse.Namespace) -> None:
+    from rollout_service.config import RolloutSettings, apply_engine_env
+
+    settings = RolloutSettings(model=str(model_dir(args.model)), threads=args.threads, kv_cache_gib=args.kv_cache_gib,
+                               max_num_seqs=max(args.slots, 1))
+    apply_engine_env(settings)
+    from rollout_service.engine import RolloutEngine
+    from rollout_service.types import Completion, SamplingSpec
+    from rollout_service.vllm_backend import VllmBackend, _sampled_logprobs
+
+    token_times: dict[int, list[float]] = defaultdict(list)  # slot -> arrival time of each generated token
+
+    class TimedBackend(VllmBackend):
+        """The service's backend, with DELTA outputs so that every token's arrival is timed."""
+
+        async def generate_one(self, request_id, prompt_ids, spec, seed):  # type: ignore[no-untyped-def]
+            from vllm.sampling_params import RequestOutputKind
+
+            params = self._sampling_params(spec, seed)
+            params.output_kind = RequestOutputKind.DELTA
+            slot = int(request_id.split("-", 1)[0].removeprefix("slot"))
+            ids: list[int] = []
+            lps: list[float] = []
+            finish = "abort"
+            prompt = {"type": "token", "prompt_token_ids": prompt_ids, "cache_salt": f"w{self._epoch}"}
+            async for out in self._llm.generate(prompt, params, request_id=request_id):
+                c = out.outputs[0]
+                now = time.perf_counter()
+                token_times[slot].extend([now] * len(c.token_ids))
+                ids += list(c.token_ids)
+                lps += _sampled_logprobs(c.logprobs, list(c.token_ids))
+                finish = c.finish_reason or finish
+            return Completion(ids, "", lps, finish)
+
+    backend = await TimedBackend.start(settings)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-swap-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    ckpts = checkpoints(Path(settings.model), tmp)
+    engine = RolloutEngine(backend, staging_dir=tmp / "staging")
+    prompt = backend.encode("hello world")
+    stop = asyncio.Event()
+
+    async def slot(s: int) -> None:
+        k = 0
+        while not stop.is_set():
+            spec = SamplingSpec(n=1, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=1000 * s + k)
+            async for _ in engine.generate([prompt], spec, tag=f"slot{s}"):
+                pass
+            k += 1
+
+    tasks = [asyncio.create_task(slot(s)) for s in range(args.slots)]
+    pushes: list[tuple[str, float, float, float, float, float]] = []  # (mode, t0, t1, apply_s, drain_s, worker_s)
+    await asyncio.sleep(args.warmup_s)
+    for k in range(args.pushes):
+        engine.swap_mode = ("inplace", "drain")[k % 2]
+        t0 = time.perf_counter()
+        r = await engine.load_weights(str(ckpts[(k + 1) % 2]), engine.version + 1)
+        pushes.append((engine.swap_mode, t0, time.perf_counter(), r.apply_s, r.drain_s, backend.last_reload_s))
+        await asyncio.sleep(args.every_s)
+    stop.set()
+    await asyncio.gather(*tasks)
+    backend.shutdown()
+
+    gaps = [(a, b) for ts in token_times.values() for a, b in zip(ts, ts[1:], strict=False) if b > a]
+    quiet = [b - a for a, b in gaps if not any(b > t0 and a < t1 for _, t0, t1, *_ in pushes)]
+    step = statistics.median(quiet)
+    tokens = sum(len(ts) for ts in token_times.values())
+    print(f"model {settings.model}, {args.slots} slots, {args.max_new_tokens} new tokens, {args.threads} threads: "
+          f"{tokens} tokens, engine step (median token gap) {step * 1e3:.2f} ms")
+    for mode in ("inplace", "drain"):
+        ratios, applies, drains = [], [], []
+        for m, t0, t1, apply_s, drain_s, worker_s in pushes:
+            if m != mode:
+                continue
+            stall = max((b - a for a, b in gaps if b > t0 and a < t1), default=0.0)
+            ratios.append(stall / step)
+            applies.append(apply_s)
+            drains.append(drain_s)
+            print(f"  {mode:7s} push: stall {stall * 1e3:8.2f} ms = {stall / step:6.2f} steps "
+                  f"(apply {apply_s * 1e3:.2f} ms of which the worker's reload {worker_s * 1e3:.2f} ms, "
+                  f"drain {drain_s * 1e3:.2f} ms)")
+        print(f"{mode:7s}: stall/step median {statistics.median(ratios):.2f}, max {max(ratios):.2f}; "
+              f"apply median {statistics.median(applies) * 1e3:.2f} ms, drain median "
+              f"{statistics.median(drains) * 1e3:.2f} ms")
+
+
+def main() -> None:
+    asyncio.run(run(parse()))
+
+
+if __name__ == "__main__":  # vLLM spawns processes that re-import the main module: keep this guard
+    main()
