@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                 # 4 per trajectory), rank bins per checkpoint
                 "row_spec": ["random:32"], "max_positions_per_group": 64, "max_positions_per_trajectory": 4,
                 "freeze_bins_from": "none", "bootstrap": 0}
-        print(f"[demo] $ curl -X POST '{addr['probe']}/probe?wait=true' -d '{json.dumps(body)}'", flush=True)
+        print(f"[demo] $ curl -X POST '{addr['probe']}/probe?wait=true' -H 'content-type: application/json' "
+              f"-d '{json.dumps(body)}'", flush=True)
         t_probe = time.monotonic()
         summary = _post_probe(addr["probe"], body, timeout_s=900, token=stack.token)
         print(f"[demo] probe done in {time.monotonic() - t_probe:.0f}s", flush=True)
