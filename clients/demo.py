@@ -43,10 +43,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _post_probe(url: str, body: dict, timeout_s: float, token: str | None) -> dict:
     import httpx
 
-    from forkrl.security import http_headers
+    from forkrl.security import http_headers, http_verify
 
     resp = httpx.post(f"{url}/probe", params={"wait": "true"}, json=body, timeout=timeout_s,
-                      headers=http_headers(token))
+                      headers=http_headers(token), verify=http_verify())  # FORKRL_TLS_CA when set
     if resp.status_code != 200:
         raise RuntimeError(f"probe failed: HTTP {resp.status_code}: {resp.text[:2000]}")
     return resp.json()

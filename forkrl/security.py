@@ -172,9 +172,13 @@ def read_tls_file(path: str, what: str) -> bytes:
     return data
 
 
-def http_verify(ca_file: str | None = None) -> str | bool:
-    """httpx's `verify=` for the probe's API: the CA file (argument, else FORKRL_TLS_CA), else True."""
-    return ca_file or tls_ca() or True
+def http_verify(ca_file: str | None = None) -> Any:
+    """httpx's `verify=` for the probe's API: an SSL context trusting the CA file (argument, else
+    FORKRL_TLS_CA), else True (the system's CAs)."""
+    import ssl
+
+    ca_file = ca_file or tls_ca()
+    return ssl.create_default_context(cafile=ca_file) if ca_file else True
 
 
 def grpc_channel(address: str, *, options: Sequence[tuple[str, Any]] = (), token: str | None = None,
