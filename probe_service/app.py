@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -320,7 +320,8 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
 
     prometheus = {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}
 
-    @api.get("/metrics", responses={200: {"description": "Prometheus text exposition", "content": prometheus}})
+    @api.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition", "content": prometheus}})
     def metrics() -> Response:
         return Response(generate_latest(manager.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -140,21 +140,25 @@ def _healthy(address: str) -> None:
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
+def _fuzz_rpc(address: str, stub: Any, method: Any, module: Any) -> None:
+    cls = getattr(module, method.input_type.name)
+    strategy = st.lists(messages(cls), max_size=4) if method.client_streaming else messages(cls)
+
+    @SETTINGS
+    @given(request=strategy)
+    def run(request: Any) -> None:
+        _call(stub, method, request)
+        _healthy(address)
+
+    run()
+
+
 def _fuzz_every_rpc(address: str, service: Any, stub_cls: type, module: Any) -> set[str]:
     fuzzed = set()
     with grpc_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         stub = stub_cls(channel)
         for method in service.methods:
-            cls = getattr(module, method.input_type.name)
-            strategy = st.lists(messages(cls), max_size=4) if method.client_streaming else messages(cls)
-
-            @SETTINGS
-            @given(request=strategy)
-            def run(request: Any, method: Any = method) -> None:
-                _call(stub, method, request)
-                _healthy(address)
-
-            run()
+            _fuzz_rpc(address, stub, method, module)
             fuzzed.add(method.name)
     return fuzzed
 
