@@ -42,8 +42,10 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, data
 _INTS = {F.TYPE_INT32: 32, F.TYPE_SINT32: 32, F.TYPE_SFIXED32: 32, F.TYPE_INT64: 64, F.TYPE_SINT64: 64,
          F.TYPE_SFIXED64: 64}
 _UINTS = {F.TYPE_UINT32: 32, F.TYPE_FIXED32: 32, F.TYPE_UINT64: 64, F.TYPE_FIXED64: 64}
-# strings that reach deeper than random text: paths, names the services know, addresses
-_WORDS = ["", ".", "..", "../..", "/", "/etc/passwd", "/tmp", "/dev/null", "a\x00b", "1+2+3=", "countdown",
+# strings that reach deeper than random text: paths (none inside the roots: the temp dir holds other files),
+# names the services know, addresses
+_WORDS = ["", ".", "..", "../..", "/", "/etc/passwd", "/proc/self/environ", "/dev/null", "a\x00b", "1+2+3=",
+          "countdown",
           "math_verify", "exact_match", "builtins:print", "os:system", "grpo", "dapo", "127.0.0.1:1", "127.0.0.1:*",
           "step_000001", "final", "float32", "bfloat16", "embed.weight", "norm.weight", "x" * 300]
 
