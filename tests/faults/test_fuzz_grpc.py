@@ -120,6 +120,47 @@ def messages(cls: type) -> st.SearchStrategy:
     return build()
 
 
+# Near-valid requests of the rollout service: random messages mostly stop at the first check (no prompts, no
+# header); these reach the sampling checks, the engine, the weight checks and the staging of a push.
+_small_floats = st.one_of(st.floats(-1, 3, width=32), st.sampled_from([0.0, 0.005, 1.0, math.nan, math.inf]))
+
+
+@st.composite
+def _near_valid_generate(draw: Any) -> Any:
+    pb = rollout_pb2
+    prompts = draw(st.lists(st.one_of(
+        st.builds(lambda t: pb.Prompt(text=t), st.one_of(st.text(max_size=20), st.sampled_from(_WORDS))),
+        st.builds(lambda ids: pb.Prompt(token_ids=pb.TokenIds(ids=ids)), st.lists(st.integers(-2, 60), max_size=8)),
+    ), min_size=1, max_size=4))
+    sp = pb.SamplingParams(n=draw(st.integers(-1, 4)), temperature=draw(_small_floats),
+                           max_new_tokens=draw(st.integers(-1, 70)), stop=draw(st.lists(st.text(max_size=3),
+                                                                                        max_size=2)))
+    if draw(st.booleans()):
+        sp.top_p = draw(_small_floats)
+    if draw(st.booleans()):
+        sp.seed = draw(st.integers(-(2**63), 2**63 - 1))
+    offsets = draw(st.one_of(st.just([]), st.lists(st.integers(-(2**63), 2**63 - 1), max_size=5)))
+    return pb.GenerateRequest(prompts=prompts, sampling=sp, prompt_offsets=offsets,
+                              request_tag=draw(st.text(max_size=70)))
+
+
+@st.composite
+def _near_valid_push(draw: Any) -> list:
+    pb = rollout_pb2
+    metas = [pb.TensorMeta(name=draw(st.sampled_from([*MODEL, "x", ""])),
+                           dtype=draw(st.sampled_from(["float32", "F32", "bfloat16", "int8", ""])),
+                           shape=draw(st.lists(st.integers(-1, 60), max_size=3)), nbytes=draw(st.integers(-1, 2000)))
+             for _ in range(draw(st.integers(1, 3)))]
+    total = draw(st.one_of(st.just(sum(max(m.nbytes, 0) for m in metas)), st.integers(-1, 4000)))
+    header = pb.WeightsHeader(target_version=draw(st.integers(-1, 3)), tensors=metas, total_bytes=total,
+                              sha256=draw(st.sampled_from(["", "0" * 64, "zz"])))
+    chunks = [pb.UpdateWeightsRequest(chunk=draw(st.binary(max_size=700))) for _ in range(draw(st.integers(0, 3)))]
+    return [pb.UpdateWeightsRequest(header=header), *chunks]
+
+
+NEAR_VALID = {"Generate": _near_valid_generate(), "UpdateWeights": _near_valid_push()}
+
+
 def _call(stub: Any, method: Any, request: Any) -> None:
     """One call of `method` (a MethodDescriptor) with `request` (a message, or a list for client streaming):
     OK or a clean client error."""
@@ -145,6 +186,8 @@ def _healthy(address: str) -> None:
 def _fuzz_rpc(address: str, stub: Any, method: Any, module: Any) -> None:
     cls = getattr(module, method.input_type.name)
     strategy = st.lists(messages(cls), max_size=4) if method.client_streaming else messages(cls)
+    if module is rollout_pb2 and method.name in NEAR_VALID:
+        strategy = st.one_of(strategy, NEAR_VALID[method.name])
 
     @SETTINGS
     @given(request=strategy)
