@@ -166,3 +166,16 @@ def test_probe_job_caps_422(probe: str, job: dict, name: str, value: int) -> Non
     assert f"= {value:,} exceeds" in detail and f"{getattr(ProbeSettings(), name):,}" in detail, detail
     assert f"--{name.replace('_', '-')} (PROBE_{name.upper()})" in detail and r.json()["limit"] == name
     assert httpx.get(f"{probe}/probe", headers=http_headers()).json() == {"jobs": []}  # nothing queued
+
+
+def test_grpc_limits_are_settings() -> None:
+    from forkrl.cli import parse_settings
+    from forkrl.security import grpc_server_options
+    from trainer_service.config import TrainerSettings
+
+    opts = dict(grpc_server_options(4 << 20, 64 << 20, 8))
+    assert opts == {"grpc.max_receive_message_length": 4 << 20, "grpc.max_send_message_length": 64 << 20,
+                    "grpc.max_concurrent_streams": 8, "grpc.so_reuseport": 0}
+    t = parse_settings(TrainerSettings, ["--max-concurrent-streams", "8", "--max-message-mib", "2"])
+    r = parse_settings(RolloutSettings, ["--model", "m", "--max-concurrent-streams", "8"])
+    assert (t.max_concurrent_streams, t.max_message_mib, r.max_concurrent_streams) == (8, 2, 8)

@@ -140,3 +140,18 @@ def test_probe_over_tls(pki: dict[str, str], tmp_path: Path) -> None:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def test_tls_settings_need_both_files_and_readable_ones(pki: dict[str, str], tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from forkrl.cli import parse_settings
+    from trainer_service.config import TrainerSettings
+
+    for argv, problem in [(["--tls-cert-file", pki["cert"]], "give both or neither"),
+                          (["--tls-cert-file", pki["cert"], "--tls-key-file", str(tmp_path / "none.pem")],
+                           "cannot be read")]:
+        with pytest.raises(SystemExit) as e:
+            parse_settings(TrainerSettings, argv)
+        assert e.value.code == 2 and problem in capsys.readouterr().err
+    s = parse_settings(TrainerSettings, ["--tls-cert-file", pki["cert"], "--tls-key-file", pki["key"]])
+    assert (s.tls_cert_file, s.tls_key_file) == (pki["cert"], pki["key"])
