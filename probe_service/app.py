@@ -122,15 +122,14 @@ class RequestGuard:
                                 "the probe's allowed_hosts (--allowed-hosts, PROBE_ALLOWED_HOSTS)")
             await reply(scope, receive, send)
             return
-        if scope["method"] in ("POST", "PUT", "PATCH"):
-            ctype = headers.get(b"content-type", b"").decode("latin-1").partition(";")[0].strip().lower()
-            if ctype != "application/json":
-                reply = _reply(415, f"the body must be JSON with 'content-type: application/json', got "
-                                    f"{ctype or 'none'!r} (curl: -H 'content-type: application/json')")
-                await reply(scope, receive, send)
-                return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
+            return
+        ctype = headers.get(b"content-type", b"").decode("latin-1").partition(";")[0].strip().lower()
+        if ctype != "application/json":
+            reply = _reply(415, f"the body must be JSON with 'content-type: application/json', got "
+                                f"{ctype or 'none'!r} (curl: -H 'content-type: application/json')")
+            await reply(scope, receive, send)
             return
         limit = self.settings.max_body_bytes
         too_big = (f"the body exceeds the probe's max_body_bytes {limit:,} (raise it with --max-body-bytes, "

@@ -85,7 +85,9 @@ class ProbeSettings(TokenSettings):
         extra = {h.strip().lower().strip("[]") for h in self.allowed_hosts if h.strip()}
         if "*" in extra:
             return None
-        return frozenset({"localhost", "127.0.0.1", "::1", self.host.lower().strip("[]"), *extra})
+        bound = self.host.lower().strip("[]")
+        bound = {bound} - {"0.0.0.0", "::", ""}  # a wildcard bind is no name a client uses
+        return frozenset({"localhost", "127.0.0.1", "::1", *bound, *extra})
 
     def resolved_roots(self) -> list[Path]:
         return [Path(r).expanduser().resolve() for r in self.allowed_roots]
