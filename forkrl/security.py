@@ -12,6 +12,10 @@ launcher and compose.yaml create a token when none is given:
 
     python -m forkrl.security ensure-token /data/secrets/token     # keeps an existing file; 0600
 
+TLS is optional: a service given a certificate and key (`--tls-cert-file`/`--tls-key-file`, FORKRL_TLS_CERT /
+FORKRL_TLS_KEY) listens only with TLS (`add_server_port`; the probe through uvicorn); clients speak TLS when
+FORKRL_TLS_CA names the CA to trust (`grpc_channel`, `http_verify`), plaintext otherwise.
+
 Paths a request names are confined to the roots a service is configured with (`confine_path`: '..' refused,
 symlinks followed). Comparison is constant-time (hmac.compare_digest). gRPC is imported only by the
 functions that need it.
