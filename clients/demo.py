@@ -43,10 +43,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _post_probe(url: str, body: dict, timeout_s: float, token: str | None) -> dict:
     import httpx
 
-    from forkrl.security import http_headers
+    from forkrl.security import http_headers, http_verify
 
     resp = httpx.post(f"{url}/probe", params={"wait": "true"}, json=body, timeout=timeout_s,
-                      headers=http_headers(token))
+                      headers=http_headers(token), verify=http_verify())  # FORKRL_TLS_CA when set
     if resp.status_code != 200:
         raise RuntimeError(f"probe failed: HTTP {resp.status_code}: {resp.text[:2000]}")
     return resp.json()
@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                 # 4 per trajectory), rank bins per checkpoint
                 "row_spec": ["random:32"], "max_positions_per_group": 64, "max_positions_per_trajectory": 4,
                 "freeze_bins_from": "none", "bootstrap": 0}
-        print(f"[demo] $ curl -X POST '{addr['probe']}/probe?wait=true' -d '{json.dumps(body)}'", flush=True)
+        print(f"[demo] $ curl -X POST '{addr['probe']}/probe?wait=true' -H 'content-type: application/json' "
+              f"-d '{json.dumps(body)}'", flush=True)
         t_probe = time.monotonic()
         summary = _post_probe(addr["probe"], body, timeout_s=900, token=stack.token)
         print(f"[demo] probe done in {time.monotonic() - t_probe:.0f}s", flush=True)

@@ -6,7 +6,8 @@
 
 Used by compose.yaml's healthchecks (the image has no curl) and by clients/launch.py. Exit status:
 0 healthy, 1 reachable but not healthy / not reachable, 2 bad usage. Prints one line either way.
-Keep it light: Docker runs it every few seconds, so it imports only grpc (or only urllib).
+Keep it light: Docker runs it every few seconds, so it imports only grpc (or only urllib). With
+FORKRL_TLS_CA set (services started with a TLS certificate) it checks over TLS against that CA.
 """
 
 from __future__ import annotations
@@ -16,11 +17,23 @@ import sys
 
 
 def check_grpc(address: str, service: str, timeout: float) -> tuple[bool, str]:
+    import os
+
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     # Never through an HTTP proxy from the environment: the services are local.
-    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+    options = [("grpc.enable_http_proxy", 0)]
+    ca = os.environ.get("FORKRL_TLS_CA", "").strip()
+    if ca:
+        name = os.environ.get("FORKRL_TLS_SERVER_NAME", "").strip()
+        with open(ca, "rb") as f:
+            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        channel = grpc.secure_channel(address, creds, [*options, *([("grpc.ssl_target_name_override", name)]
+                                                                  if name else [])])
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -31,10 +44,14 @@ def check_grpc(address: str, service: str, timeout: float) -> tuple[bool, str]:
 
 
 def check_http(url: str, timeout: float) -> tuple[bool, str]:
+    import os
+    import ssl
     import urllib.error
     import urllib.request
 
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy from the environment
+    ca = os.environ.get("FORKRL_TLS_CA", "").strip()
+    https = urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca or None))
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), https)  # no proxy from the environment
     try:
         with opener.open(url, timeout=timeout) as reply:
             return reply.status == 200, f"HTTP {reply.status}"

@@ -10,7 +10,8 @@ Every training flag maps 1:1 to a field of RunConfig (forkrl/training/config.py)
 flags are generated from that model (its field docstrings are the --help). `--config run.toml` reads the same
 fields from a file, and flags override it. Bad values are rejected here, before anything is sent. Ctrl-C asks
 whether to stop the run or detach.
-The trainer's token is read from FORKRL_TOKEN, else from the file FORKRL_TOKEN_FILE names (see README, Security).
+The trainer's token is read from FORKRL_TOKEN, else from the file FORKRL_TOKEN_FILE names (see README, Security);
+with FORKRL_TLS_CA set (a trainer serving TLS) the call goes over TLS, trusting that CA.
 Exit status: 0 when the run succeeded (or was stopped on request / detached), 1 when it failed, 2 for bad flags.
 """
 
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     from forkrl.wire.trainer.v1 import trainer_pb2 as pb2
     from forkrl.wire.trainer.v1 import trainer_pb2_grpc
 
-    channel = grpc_channel(args.trainer_address)  # sends FORKRL_TOKEN / FORKRL_TOKEN_FILE's token
+    channel = grpc_channel(args.trainer_address)  # FORKRL_TOKEN / FORKRL_TOKEN_FILE's token; TLS with FORKRL_TLS_CA
     health_stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + args.connect_timeout_s
     while True:  # wait for health before the first call; retry only UNAVAILABLE

@@ -26,7 +26,15 @@ from pydantic import Field, PrivateAttr, SecretStr, ValidationError, model_valid
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, CliApp, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from forkrl.security import TOKEN_ENV, TOKEN_FILE_ENV, TokenError, resolve_token
+from forkrl.security import (
+    TLS_CERT_ENV,
+    TLS_KEY_ENV,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    TokenError,
+    read_tls_file,
+    resolve_token,
+)
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -131,6 +139,11 @@ class TokenSettings(CliSettings):
     runs open on a loopback address, with a warning, and refuses to start on any other address."""
     token_file: str | None = None
     """File holding the token (env FORKRL_TOKEN_FILE); used when no token is given directly."""
+    tls_cert_file: str | None = None
+    """TLS: the server's certificate chain (PEM; env FORKRL_TLS_CERT). Set with tls_key_file, the service
+    speaks TLS only; clients then need FORKRL_TLS_CA (the CA that signed it). Unset: plaintext."""
+    tls_key_file: str | None = None
+    """TLS: the private key of tls_cert_file (PEM; env FORKRL_TLS_KEY)."""
     _token: str | None = PrivateAttr(None)
 
     @classmethod
@@ -143,7 +156,8 @@ class TokenSettings(CliSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # flags > <PREFIX>_* variables > FORKRL_TOKEN / FORKRL_TOKEN_FILE > defaults
-        names = {"token": TOKEN_ENV, "token_file": TOKEN_FILE_ENV}
+        names = {"token": TOKEN_ENV, "token_file": TOKEN_FILE_ENV, "tls_cert_file": TLS_CERT_ENV,
+                 "tls_key_file": TLS_KEY_ENV}
         return init_settings, env_settings, NamedEnvSource(settings_cls, names), dotenv_settings, file_secret_settings
 
     @model_validator(mode="after")
@@ -153,6 +167,15 @@ class TokenSettings(CliSettings):
             self._token = resolve_token(token, self.token_file)
         except TokenError as err:
             raise ValueError(f"token_file: {err}") from None
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together (--tls-cert-file/--tls-key-file, "
+                             f"{TLS_CERT_ENV}/{TLS_KEY_ENV}): give both or neither")
+        try:
+            for path, what in ((self.tls_cert_file, "certificate file"), (self.tls_key_file, "key file")):
+                if path:
+                    read_tls_file(path, what)
+        except TokenError as err:
+            raise ValueError(str(err)) from None
         return self
 
     def auth_token(self) -> str | None:

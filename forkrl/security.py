@@ -12,6 +12,10 @@ launcher and compose.yaml create a token when none is given:
 
     python -m forkrl.security ensure-token /data/secrets/token     # keeps an existing file; 0600
 
+TLS is optional: a service given a certificate and key (`--tls-cert-file`/`--tls-key-file`, FORKRL_TLS_CERT /
+FORKRL_TLS_KEY) listens only with TLS (`add_server_port`; the probe through uvicorn); clients speak TLS when
+FORKRL_TLS_CA names the CA to trust (`grpc_channel`, `http_verify`), plaintext otherwise.
+
 Paths a request names are confined to the roots a service is configured with (`confine_path`: '..' refused,
 symlinks followed). Comparison is constant-time (hmac.compare_digest). gRPC is imported only by the
 functions that need it.
@@ -31,6 +35,11 @@ from typing import Any
 
 TOKEN_ENV = "FORKRL_TOKEN"
 TOKEN_FILE_ENV = "FORKRL_TOKEN_FILE"
+# TLS (optional): the services read a certificate and key, the clients a CA file; set, the clients use TLS.
+TLS_CERT_ENV = "FORKRL_TLS_CERT"
+TLS_KEY_ENV = "FORKRL_TLS_KEY"
+TLS_CA_ENV = "FORKRL_TLS_CA"
+TLS_SERVER_NAME_ENV = "FORKRL_TLS_SERVER_NAME"  # the name to check the certificate for, when not the address's
 HEADER = "authorization"
 # What a refused client is told: how to give it the token.
 HOW_TO_SET = (f"set {TOKEN_ENV} (or {TOKEN_FILE_ENV}, a file holding it) in the client's environment to the "
@@ -151,12 +160,47 @@ def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((HEADER, f"Bearer {token}"),)
 
 
-def grpc_channel(address: str, *, options: Sequence[tuple[str, Any]] = (), token: str | None = None) -> Any:
-    """An insecure (plaintext) gRPC channel that sends the token with every call. `token=None` takes it from
-    the environment (load_token); `token=""` sends none."""
+def tls_ca(env: Mapping[str, str] | None = None) -> str | None:
+    """The clients' CA file (FORKRL_TLS_CA): set, clients speak TLS and trust only that CA; else plaintext."""
+    env = os.environ if env is None else env
+    return env.get(TLS_CA_ENV, "").strip() or None
+
+
+def read_tls_file(path: str, what: str) -> bytes:
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except OSError as err:
+        raise TokenError(f"TLS {what} {path!r} cannot be read: {err.strerror or err}") from None
+    if not data.strip():
+        raise TokenError(f"TLS {what} {path!r} is empty")
+    return data
+
+
+def http_verify(ca_file: str | None = None) -> Any:
+    """httpx's `verify=` for the probe's API: an SSL context trusting the CA file (argument, else
+    FORKRL_TLS_CA), else True (the system's CAs)."""
+    import ssl
+
+    ca_file = ca_file or tls_ca()
+    return ssl.create_default_context(cafile=ca_file) if ca_file else True
+
+
+def grpc_channel(address: str, *, options: Sequence[tuple[str, Any]] = (), token: str | None = None,
+                 ca_file: str | None = None) -> Any:
+    """A gRPC channel that sends the token with every call. `token=None` takes it from the environment
+    (load_token); `token=""` sends none. TLS when a CA file is given or FORKRL_TLS_CA is set (the server's
+    certificate must be signed by it; FORKRL_TLS_SERVER_NAME overrides the name it is checked for), else
+    plaintext."""
     import grpc
 
-    channel = grpc.insecure_channel(address, options=list(options))
+    ca_file = ca_file or tls_ca()
+    if ca_file:
+        creds = grpc.ssl_channel_credentials(root_certificates=read_tls_file(ca_file, "CA file"))
+        name = os.environ.get(TLS_SERVER_NAME_ENV, "").strip()
+        opts = [*options, *([("grpc.ssl_target_name_override", name)] if name else [])]
+        channel = grpc.secure_channel(address, creds, options=opts)
+    else:
+        channel = grpc.insecure_channel(address, options=list(options))
     token = load_token() if token is None else token
     return grpc.intercept_channel(channel, _client_interceptor(token)) if token else channel
 
@@ -192,6 +236,28 @@ def _client_interceptor(token: str) -> Any:
             return continuation(self._details(details), request_iterator)
 
     return AddToken()
+
+
+def add_server_port(server: Any, address: str, cert_file: str | None = None, key_file: str | None = None) -> int:
+    """Listen on `address`: TLS with the certificate chain and key from files when given, else plaintext.
+    Returns the port (RuntimeError from grpc when it cannot bind)."""
+    if not cert_file:
+        return server.add_insecure_port(address)
+    import grpc
+
+    creds = grpc.ssl_server_credentials([(read_tls_file(key_file or "", "key file"),
+                                          read_tls_file(cert_file, "certificate file"))])
+    return server.add_secure_port(address, creds)
+
+
+def grpc_server_options(max_receive_bytes: int, max_send_bytes: int, max_streams: int) -> list[tuple[str, int]]:
+    """Options of every forkrl grpc.aio server: message limits, concurrent streams per connection, and no
+    SO_REUSEPORT (gRPC's default: a second service on the same port would start silently and share the
+    traffic; fail instead)."""
+    return [("grpc.max_receive_message_length", max_receive_bytes),
+            ("grpc.max_send_message_length", max_send_bytes),
+            ("grpc.max_concurrent_streams", max_streams),
+            ("grpc.so_reuseport", 0)]
 
 
 def server_interceptors(token: str | None) -> list[Any]:

@@ -9,7 +9,9 @@ checked against what this service allows, and planned by the core.
    read through `inside_roots` first: '..' is 400, a path (or a symlink, or a file in a checkpoint) that
    resolves outside the allowed roots is 403;
 3. the core's typed errors become HTTP answers: missing steps 404 with the steps that exist, a missing
-   path 404, anything else it refuses 400.
+   path 404, anything else it refuses 400;
+4. the job's size against the service's caps (`check_bounds`): samples, tokens and gradient positions,
+   422 naming the limit and the setting that raises it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from forkrl.probe.params import ProbeParams
 from forkrl.security import OutsideRoots, confine_path
 from probe_service.config import ProbeSettings
 
-__all__ = ["RequestError", "admit", "inside_roots"]
+__all__ = ["RequestError", "admit", "check_bounds", "inside_roots"]
 
 
 class RequestError(Exception):
@@ -49,6 +51,28 @@ def inside_roots(roots: list[Path]) -> Confine:
     return confine
 
 
+def _too_big(what: str, value: int, name: str, limit: int) -> RequestError:
+    return RequestError(422, f"{what} = {value:,} exceeds the probe service's {name} {limit:,}; an operator can "
+                             f"raise it with --{name.replace('_', '-')} (PROBE_{name.upper()})", limit=name)
+
+
+def check_bounds(plan: ProbePlan, settings: ProbeSettings) -> None:
+    """RequestError 422 when the planned job is bigger than the service allows."""
+    p, n = plan.params, len(plan.checkpoints)
+    samples = n * p.num_prompts * p.num_samples
+    if samples > settings.max_job_samples:
+        raise _too_big(f"checkpoints {n} x num_prompts {p.num_prompts} x num_samples {p.num_samples}", samples,
+                       "max_job_samples", settings.max_job_samples)
+    tokens = samples * plan.max_new_tokens
+    if tokens > settings.max_job_tokens:
+        raise _too_big(f"checkpoints {n} x num_prompts {p.num_prompts} x num_samples {p.num_samples} x "
+                       f"max_new_tokens {plan.max_new_tokens}", tokens, "max_job_tokens", settings.max_job_tokens)
+    positions = n * p.entropy_bins * 2 * p.max_positions_per_group
+    if positions > settings.max_job_positions:
+        raise _too_big(f"checkpoints {n} x entropy_bins {p.entropy_bins} x 2 x max_positions_per_group "
+                       f"{p.max_positions_per_group}", positions, "max_job_positions", settings.max_job_positions)
+
+
 def admit(params: ProbeParams, settings: ProbeSettings) -> ProbePlan:
     """The plan of an allowed request, or RequestError."""
     if params.reward and params.reward not in BUILTIN_REWARDS and not settings.allow_custom_rewards:
@@ -56,7 +80,7 @@ def admit(params: ProbeParams, settings: ProbeSettings) -> ProbePlan:
     try:
         if params.sampler == "auto":
             params = params.model_copy(update={"sampler": settings.auto_sampler})
-        return plan_probe(params, inside_roots(settings.resolved_roots()))
+        plan = plan_probe(params, inside_roots(settings.resolved_roots()))
     except CheckpointNotFound as exc:
         raise RequestError(
             404, str(exc), missing_steps=exc.missing, available_steps=exc.available, has_final=exc.has_final
@@ -65,3 +89,5 @@ def admit(params: ProbeParams, settings: ProbeSettings) -> ProbePlan:
         raise RequestError(404, str(exc)) from None
     except ProbeInputError as exc:
         raise RequestError(400, str(exc)) from None
+    check_bounds(plan, settings)
+    return plan

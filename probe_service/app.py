@@ -16,6 +16,10 @@ DELETE /probe/{id}                 cancel (409 once finished)
 GET    /metrics                    Prometheus text
 GET    /healthz                    open; every other route needs `authorization: Bearer <token>` when the
                                    service has a token (401 otherwise; forkrl/security.py)
+
+Every route but /healthz answers only to a Host it knows (400 otherwise: allowed_hosts); POST bodies must be
+`application/json` (415) of at most max_body_bytes (413). The OpenAPI schema lists each route's statuses and
+content types (tests/faults/test_fuzz_http.py checks them against what the routes answer).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -62,20 +66,99 @@ class RequireToken:
         await self.app(scope, receive, send)
 
 
-class JsonBodyByDefault:
-    """`curl -X POST URL -d '{...}'` labels its body application/x-www-form-urlencoded. JSON is the only
-    body this API takes, so a POST without a JSON content type is read as JSON (one curl, no -H needed)."""
+# What each status means, for the OpenAPI schema (every route lists the ones it can answer; a test checks).
+_STATUS = {
+    400: "a malformed request: a Host this service does not answer to (allowed_hosts), '..' in a path, a bad "
+         "checkpoint, task, dataset or reward, ?checkpoint= missing where the job has several",
+    401: "no token or a wrong one (`authorization: Bearer <token>`)",
+    403: "a path outside the service's allowed roots (symlinks followed)",
+    404: "no such job, step, checkpoint, path or output",
+    409: "the job is not done yet (outputs), already finished (cancel), or was cancelled (?wait=true)",
+    413: "the body is larger than max_body_bytes",
+    415: "the body is not `application/json`",
+    422: "a field out of range or of the wrong type (names the field), or a job larger than the service's caps "
+         "(max_job_samples, max_job_tokens, max_job_positions; names the setting)",
+    429: "the queue is full (Retry-After)",
+    500: "?wait=true: the job failed (its error)",
+}
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+
+def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {c: {"description": _STATUS[c]} for c in codes}
+
+
+def _reply(status: int, detail: str) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status)
+
+
+class RequestGuard:
+    """Before any route sees a request (every path but /healthz):
+    - the Host header must name this service (settings.host_names: localhost, 127.0.0.1, ::1, the bound host,
+      allowed_hosts), else 400: a page that rebinds its own DNS name to this machine gets nothing;
+    - a POST body must be `application/json`, else 415: a browser sends a cross-site form (urlencoded,
+      multipart, text/plain) without asking first, JSON never;
+    - a body may be at most settings.max_body_bytes, else 413 (by Content-Length, and while it is read)."""
+
+    def __init__(self, app: Any, settings: ProbeSettings) -> None:
+        self.app, self.settings, self.hosts = app, settings, settings.host_names()
+
+    def _host_ok(self, host: str) -> bool:
+        if self.hosts is None:
+            return True
+        host = host.strip().lower()
+        name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+        if host.count(":") > 1 and not host.startswith("["):  # a bare IPv6 address
+            name = host
+        return name in self.hosts
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            ctype = dict(scope["headers"]).get(b"content-type", b"")
-            if not ctype.startswith(b"application/json"):
-                scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["path"] == "/healthz":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        host = headers.get(b"host", b"").decode("latin-1")
+        if not self._host_ok(host):
+            reply = _reply(400, f"Host {host!r} is not one this service answers to; the operator can add it to "
+                                "the probe's allowed_hosts (--allowed-hosts, PROBE_ALLOWED_HOSTS)")
+            await reply(scope, receive, send)
+            return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        ctype = headers.get(b"content-type", b"").decode("latin-1").partition(";")[0].strip().lower()
+        if ctype != "application/json":
+            reply = _reply(415, f"the body must be JSON with 'content-type: application/json', got "
+                                f"{ctype or 'none'!r} (curl: -H 'content-type: application/json')")
+            await reply(scope, receive, send)
+            return
+        limit = self.settings.max_body_bytes
+        too_big = (f"the body exceeds the probe's max_body_bytes {limit:,} (raise it with --max-body-bytes, "
+                   "PROBE_MAX_BODY_BYTES)")
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            await _reply(413 if length.isdigit() else 400, too_big if length.isdigit()
+                         else "bad content-length")(scope, receive, send)
+            return
+        body, more = b"", True  # read the whole (bounded) body first: chunked uploads have no length
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                await _reply(413, too_big)(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 def create_app(settings: ProbeSettings | None = None) -> FastAPI:
@@ -101,7 +184,7 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings, app.state.manager = settings, manager
-    app.add_middleware(JsonBodyByDefault)
+    app.add_middleware(RequestGuard, settings=settings)
     token = settings.auth_token()
     if token:  # added last: the outermost layer, it answers before any other reads the request
         app.add_middleware(RequireToken, token=token)
@@ -111,8 +194,9 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
         return JSONResponse(status_code=exc.status, content={"detail": exc.message, **exc.extra})
 
     # The routes that need the token (RequireToken enforces it; this router documents it in the schema).
+    # Every guarded route can answer 400 (Host, RequestGuard) and, with a token, 401.
     api = APIRouter(dependencies=[Depends(_BEARER)] if token else [],
-                    responses={401: {"description": "no token or a wrong one"}} if token else None)
+                    responses=_responses(400, *([401] if token else [])))
 
     def _job(job_id: str) -> Job:
         try:
@@ -141,7 +225,8 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
         "/probe",
         status_code=202,
         response_model=JobCreated,
-        responses={200: {"description": "?wait=true: the finished job's summary"}, 429: {"description": "full"}},
+        responses={200: {"description": "?wait=true: the finished job's summary"},
+                   **_responses(403, 404, 409, 413, 415, 422, 429, 500)},
     )
     def submit(
         params: ProbeParams,
@@ -169,11 +254,15 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
     def list_jobs(request: Request) -> JobList:
         return JobList(jobs=[_status(j, request) for j in manager.list()])
 
-    @api.get("/probe/{job_id}", response_model=JobStatus, name="job_status")
+    @api.get("/probe/{job_id}", response_model=JobStatus, name="job_status", responses=_responses(404))
     def job_status(job_id: str, request: Request) -> JobStatus:
         return _status(_job(job_id), request)
 
-    @api.get("/probe/{job_id}/records")
+    @api.get("/probe/{job_id}/records", responses={
+        200: {"description": "token_probe_records.jsonl: one JSON object a line (?format=json: a JSON list)",
+              "content": {"application/x-ndjson": {"schema": {"type": "string"}},
+                          "application/json": {"schema": {"type": "array", "items": {"type": "object"}}}}},
+        **_responses(404, 409, 422)})
     def records(
         job_id: str, format: str = Query("jsonl", pattern="^(jsonl|json)$", description="jsonl or json (a list)")
     ):
@@ -182,11 +271,16 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
             return JSONResponse([json.loads(line) for line in path.read_text().splitlines() if line])
         return FileResponse(path, media_type="application/x-ndjson", filename=f"{job_id}-records.jsonl")
 
-    @api.get("/probe/{job_id}/manifest")
+    @api.get("/probe/{job_id}/manifest", responses={
+        200: {"description": "manifest.json", "content": {"application/json": {"schema": {"type": "object"}}}},
+        **_responses(404, 409)})
     def manifest(job_id: str):
         return JSONResponse(json.loads(_output(_job(job_id), "manifest.json").read_text()))
 
-    @api.get("/probe/{job_id}/plot.png", response_class=FileResponse)
+    png = {"image/png": {"schema": {"type": "string", "format": "binary"}}}
+
+    @api.get("/probe/{job_id}/plot.png", response_class=FileResponse, responses={
+        200: {"description": "the checkpoint's plot", "content": png}, **_responses(404, 409, 422)})
     def plot(job_id: str, checkpoint: str | None = Query(None, description="Checkpoint label, e.g. step_000020")):
         job = _job(job_id)
         _output(job, "summary.json")
@@ -199,12 +293,15 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
             raise HTTPException(404, f"no checkpoint {checkpoint!r} in job {job_id}; checkpoints: {labels}")
         return FileResponse(_output(job, f"plot_{checkpoint}.png"), media_type="image/png")
 
-    @api.get("/probe/{job_id}/overlap.png", response_class=FileResponse)
+    @api.get("/probe/{job_id}/overlap.png", response_class=FileResponse, responses={
+        200: {"description": "the overlap plot", "content": png}, **_responses(404, 409)})
     def overlap_plot(job_id: str):
         """The entropy-pattern overlap across the job's checkpoints (jobs with frozen bins)."""
         return FileResponse(_output(_job(job_id), "entropy_overlap.png"), media_type="image/png")
 
-    @api.delete("/probe/{job_id}", response_model=JobStatus)
+    @api.delete("/probe/{job_id}", response_model=JobStatus, responses={
+        202: {"description": "a running job: it stops at its next check", "model": JobStatus},
+        **_responses(404, 409)})
     def cancel(job_id: str, request: Request, response: Response) -> JobStatus:
         try:
             job = manager.cancel(job_id)
@@ -220,7 +317,10 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
     def healthz() -> dict:
         return {"status": "ok", "jobs": manager.counts()}
 
-    @api.get("/metrics")
+    prometheus = {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}
+
+    @api.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition", "content": prometheus}})
     def metrics() -> Response:
         return Response(generate_latest(manager.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -49,10 +49,23 @@ class ProbeSettings(TokenSettings):
     """What a request's sampler 'auto' means here. transformers (default): the service's jobs share one
     process, and an in-process vLLM engine per job inside a worker thread is not tested yet; vllm: faster
     sampling (the CLI's 'auto' default), one job at a time (max_concurrent_jobs 1)."""
+    max_job_samples: int = Field(8192, ge=1)
+    """Largest checkpoints x num_prompts x num_samples one job may sample (POST /probe: 422 beyond)."""
+    max_job_tokens: int = Field(1 << 24, ge=1)
+    """Largest checkpoints x num_prompts x num_samples x max_new_tokens (resolved) one job may generate."""
+    max_job_positions: int = Field(200_000, ge=1)
+    """Largest checkpoints x entropy_bins x 2 x max_positions_per_group (gradient positions) of one job."""
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    """Largest request body in bytes (413 beyond)."""
+    allowed_hosts: Annotated[list[str], NoDecode] = []
+    """Host header values (without port) the API answers besides localhost, 127.0.0.1, ::1 and the bound
+    host (comma-separated; '*' = any). Others get 400: a web page cannot reach the API through a DNS name
+    of its own that resolves to this machine (DNS rebinding). Set it to the names clients use when the
+    service is reached by a DNS name or on 0.0.0.0."""
     log_level: str = "info"
     """uvicorn log level."""
 
-    @field_validator("allowed_roots", mode="before")
+    @field_validator("allowed_roots", "allowed_hosts", mode="before")
     @classmethod
     def _split_roots(cls, v: object) -> object:
         # PROBE_ALLOWED_ROOTS=a,b arrives as one string (NoDecode: not JSON); the CLI splits commas itself
@@ -66,6 +79,15 @@ class ProbeSettings(TokenSettings):
         if not v:
             raise ValueError("allowed_roots must name at least one directory")
         return v
+
+    def host_names(self) -> frozenset[str] | None:
+        """Host header names the API answers (lower case, no port); None = any ('*')."""
+        extra = {h.strip().lower().strip("[]") for h in self.allowed_hosts if h.strip()}
+        if "*" in extra:
+            return None
+        bound = self.host.lower().strip("[]")
+        bound = {bound} - {"0.0.0.0", "::", ""}  # a wildcard bind is no name a client uses
+        return frozenset({"localhost", "127.0.0.1", "::1", *bound, *extra})
 
     def resolved_roots(self) -> list[Path]:
         return [Path(r).expanduser().resolve() for r in self.allowed_roots]

@@ -54,8 +54,16 @@ class RolloutSettings(TokenSettings):
     finished, so each sample has one version, but generation runs dry for the drain (bench/bench_swap.py)."""
     max_num_seqs: int = Field(256, gt=0)
     """Most sequences the engine batches at once (vLLM's max_num_seqs)."""
+    max_prompts_per_request: int = Field(16384, gt=0)
+    """Most prompts one Generate call may carry (INVALID_ARGUMENT beyond, naming this setting)."""
     max_samples_per_request: int = Field(65536, gt=0)
     """Largest len(prompts) * n one Generate call may ask for."""
+    max_request_tokens: int = Field(1 << 28, gt=0)
+    """Largest len(prompts) * n * max_new_tokens one Generate call may ask for (the tokens it may generate;
+    the default allows a 512 x 16 x 20480 DAPO step on one service)."""
+    max_prompt_chars: int = Field(1 << 20, gt=0)
+    """Longest text prompt in characters (checked before it is tokenized; token-id prompts are bounded by
+    max_model_len)."""
     allowed_roots: Annotated[list[str], NoDecode] = ["runs", "models"]
     """Directories LoadWeights may read (comma-separated), besides the served model's own directory. A path
     must resolve, symlinks followed, inside one of them (the trainer's runs_root, for --weight-sync path)."""
@@ -65,8 +73,10 @@ class RolloutSettings(TokenSettings):
     grace_s: float = Field(5.0, ge=0)
     """On SIGTERM: seconds in-flight RPCs get to finish before they are cancelled."""
     max_message_mib: int = Field(64, gt=4)
-    """gRPC send/receive message limit in MiB (weight chunks are at most 4 MiB; large Generate requests
-    carry many prompts)."""
+    """gRPC send/receive message limit in MiB. Pushed weights arrive in chunks of at most 4 MiB
+    (forkrl/weights/wire.py), so this bounds Generate requests (many prompts) and any one message."""
+    max_concurrent_streams: int = Field(64, gt=0)
+    """gRPC: most RPCs one client connection may have open at once (more wait in the client)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level of the service (vLLM's own logging follows VLLM_LOGGING_LEVEL)."""
 

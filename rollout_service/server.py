@@ -21,9 +21,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from forkrl.security import OutsideRoots, confine_path, refuse_open_bind, server_interceptors
+from forkrl.security import (
+    OutsideRoots,
+    add_server_port,
+    confine_path,
+    grpc_server_options,
+    refuse_open_bind,
+    server_interceptors,
+)
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from rollout_service.bounds import check_generate
 from rollout_service.config import RolloutSettings
 from rollout_service.engine import RolloutEngine
 from rollout_service.types import (
@@ -152,6 +160,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
         try:
             engine = self._ready()
+            check_generate(request, self.settings)
             stream = engine.generate(
                 prompt_inputs(request), sampling_spec(request),
                 prompt_offsets=list(request.prompt_offsets), tag=request.request_tag,
@@ -250,13 +259,7 @@ def build_server(settings: RolloutSettings) -> tuple[grpc.aio.Server, RolloutSer
     refuse_open_bind("rollout service", settings.host, token)
     server = grpc.aio.server(
         interceptors=server_interceptors(token),
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            # gRPC sets SO_REUSEPORT by default: a second service on the same port would start silently
-            # and share the traffic. Fail instead.
-            ("grpc.so_reuseport", 0),
-        ]
+        options=grpc_server_options(limit, limit, settings.max_concurrent_streams),
     )
     health = HealthServicer()
     servicer = RolloutServicer(settings, health)
@@ -267,7 +270,8 @@ def build_server(settings: RolloutSettings) -> tuple[grpc.aio.Server, RolloutSer
         server,
     )
     try:
-        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        port = add_server_port(server, f"{settings.host}:{settings.port}", settings.tls_cert_file,
+                               settings.tls_key_file)
     except RuntimeError as e:
         raise SystemExit(f"cannot listen on {settings.host}:{settings.port} (in use?): {e}") from None
     return server, servicer, health, port

@@ -16,6 +16,9 @@ import pytest
 # itself pass their own.
 os.environ["FORKRL_TOKEN"] = "forkrl-test-" + secrets.token_hex(8)
 os.environ.pop("FORKRL_TOKEN_FILE", None)
+# TLS is off unless a test turns it on (tests/security/test_tls.py): an operator's settings must not leak in.
+for _var in ("FORKRL_TLS_CA", "FORKRL_TLS_CERT", "FORKRL_TLS_KEY", "FORKRL_TLS_SERVER_NAME"):
+    os.environ.pop(_var, None)
 
 
 @pytest.fixture(scope="session")

@@ -164,13 +164,16 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def wait_for_health(address: str, timeout_s: float, proc: subprocess.Popen | None = None, service: str = "") -> None:
-    """Poll grpc.health.v1 Check until SERVING; fail early if `proc` exited."""
+def wait_for_health(address: str, timeout_s: float, proc: subprocess.Popen | None = None, service: str = "",
+                    ca_file: str | None = None) -> None:
+    """Poll grpc.health.v1 Check until SERVING; fail early if `proc` exited. `ca_file`: over TLS."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from forkrl.security import grpc_channel
+
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with grpc_channel(address, token="", ca_file=ca_file) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if proc is not None and proc.poll() is not None:
@@ -325,7 +328,7 @@ def start_trainer_service(
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
 
     def ready(address: ServiceAddress) -> None:
-        wait_for_health(address, startup_timeout_s, address.process)
+        wait_for_health(address, startup_timeout_s, address.process, ca_file=env.get("FORKRL_TLS_CA"))
 
     return _service(cmd, "trainer", log_path, env, startup_timeout_s, grace_s=60.0, ready=ready,
                     expect_clean_stop=expect_clean_stop)

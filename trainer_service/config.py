@@ -44,6 +44,18 @@ class TrainerSettings(TokenSettings):
     """torch threads for the training forward/backward."""
     device: str = "auto"
     """torch device for training: auto (cuda if present), cpu, cuda."""
+    max_step_samples: int = Field(16384, ge=1)
+    """Largest prompts_per_step x group_size a run may ask for (StartRun: INVALID_ARGUMENT beyond)."""
+    max_step_tokens: int = Field(1 << 25, ge=1)
+    """Largest number of tokens one step may generate: prompts_per_step x group_size x max_new_tokens, times
+    max_gen_batches with dynamic_sampling. The default (33,554,432) covers the built-in tasks and 1024-token
+    datasets; recipes/dapo_paper.toml needs 1,677,721,600 (512 x 16 x 20480 x 10)."""
+    max_eval_tokens: int = Field(1 << 25, ge=1)
+    """Largest eval_prompts x max_new_tokens of one evaluation (StartRun: INVALID_ARGUMENT beyond)."""
+    max_message_mib: int = Field(4, ge=1)
+    """gRPC receive limit in MiB (a StartRun request is a few KiB)."""
+    max_concurrent_streams: int = Field(64, ge=1)
+    """gRPC: most RPCs (WatchRun streams included) one client connection may have open at once."""
     grace_s: float = Field(10.0, ge=0)
     """SIGTERM: seconds to let in-flight RPCs finish."""
     tensorboard: bool = True
@@ -66,4 +78,7 @@ class TrainerSettings(TokenSettings):
             read_roots=real_roots([*self.allowed_roots, self.runs_root, default_model_dir()]),
             rollout_addresses=tuple(self.rollout_addresses),
             allow_custom_rewards=self.allow_custom_rewards,
+            max_step_samples=self.max_step_samples,
+            max_step_tokens=self.max_step_tokens,
+            max_eval_tokens=self.max_eval_tokens,
         )

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
 from forkrl.cli import describe_validation_error
-from forkrl.security import refuse_open_bind, server_interceptors
+from forkrl.security import add_server_port, grpc_server_options, refuse_open_bind, server_interceptors
 from forkrl.training.config import RunConfig, from_proto, to_proto
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_service.config import TrainerSettings
@@ -118,11 +118,8 @@ async def _serve(settings: TrainerSettings, link: RankLink) -> int:
     token = settings.auth_token()
     refuse_open_bind("trainer service", settings.host, token)
     server = grpc.aio.server(interceptors=server_interceptors(token),
-                             options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20),
-                                      # gRPC sets SO_REUSEPORT by default: a second trainer on the same port
-                                      # would start silently and share the traffic. Fail instead.
-                                      ("grpc.so_reuseport", 0)])
+                             options=grpc_server_options(settings.max_message_mib << 20, 64 << 20,
+                                                         settings.max_concurrent_streams))
     manager = RunManager(Path(settings.runs_root),
                          lambda run: run_training(run, device=settings.device, tensorboard=settings.tensorboard,
                                                      token=token, link=link))
@@ -134,7 +131,8 @@ async def _serve(settings: TrainerSettings, link: RankLink) -> int:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        port = add_server_port(server, f"{settings.host}:{settings.port}", settings.tls_cert_file,
+                               settings.tls_key_file)
     except RuntimeError:  # grpcio raises where older versions returned 0
         port = 0
     if port == 0:

@@ -11,7 +11,8 @@ Every call carries a deadline. Only UNAVAILABLE is retried (with backoff, within
 Generate stream is retried only before its first trajectory arrived, so no sample is ever duplicated. A
 weight push answered ABORTED while the service already serves the target version counts as applied.
 Trajectories are the proto messages (`forkrl.rollout.v1.Trajectory`). Every call carries the services'
-token (`authorization: Bearer …`, from FORKRL_TOKEN / FORKRL_TOKEN_FILE unless given).
+token (`authorization: Bearer …`, from FORKRL_TOKEN / FORKRL_TOKEN_FILE unless given), over TLS when
+FORKRL_TLS_CA names the CA of the service's certificate (forkrl.security.grpc_channel).
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ class RunRules:
     read_roots: list[Path]  # real paths
     rollout_addresses: tuple[str, ...] = ("127.0.0.1:50051",)
     allow_custom_rewards: bool = False
+    # caps on the work of one step (TrainerSettings: --max-step-samples, ...); the defaults are the settings'
+    max_step_samples: int = 16384
+    max_step_tokens: int = 1 << 25
+    max_eval_tokens: int = 1 << 25
 
 
 def address_allowed(address: str, allowed: tuple[str, ...]) -> bool:
@@ -55,9 +59,39 @@ def is_forkrl_run(run_dir: Path) -> bool:
     return isinstance(cfg, dict) and "rollout_addresses" in cfg and "loss" in cfg
 
 
+def _raise_it(name: str, needed: int) -> str:
+    return (f"an operator can allow it: start the trainer with --{name.replace('_', '-')} {needed} "
+            f"(TRAINER_{name.upper()}={needed})")
+
+
+def check_bounds(cfg: Any, rules: RunRules) -> None:
+    """ValueError (INVALID_ARGUMENT) when a resolved RunConfig asks for more work per step than the rules
+    allow; the message names the product, the limit and the setting that raises it."""
+    samples = cfg.prompts_per_step * cfg.group_size
+    if samples > rules.max_step_samples:
+        raise ValueError(f"prompts_per_step {cfg.prompts_per_step} x group_size {cfg.group_size} = {samples:,} "
+                         f"samples per step exceed this trainer's max_step_samples {rules.max_step_samples:,}; "
+                         + _raise_it("max_step_samples", samples))
+    rounds = cfg.max_gen_batches if cfg.dynamic_sampling else 1
+    tokens = samples * cfg.max_new_tokens * rounds
+    if tokens > rules.max_step_tokens:
+        times = f" x max_gen_batches {rounds} (dynamic_sampling)" if cfg.dynamic_sampling else ""
+        raise ValueError(f"one step may generate prompts_per_step {cfg.prompts_per_step} x group_size "
+                         f"{cfg.group_size} x max_new_tokens {cfg.max_new_tokens}{times} = {tokens:,} tokens, more "
+                         f"than this trainer's max_step_tokens {rules.max_step_tokens:,}; "
+                         + _raise_it("max_step_tokens", tokens))
+    evals = cfg.eval_prompts * cfg.max_new_tokens if cfg.eval_every else 0
+    if evals > rules.max_eval_tokens:
+        raise ValueError(f"one evaluation may generate eval_prompts {cfg.eval_prompts} x max_new_tokens "
+                         f"{cfg.max_new_tokens} = {evals:,} tokens, more than this trainer's max_eval_tokens "
+                         f"{rules.max_eval_tokens:,}; " + _raise_it("max_eval_tokens", evals))
+
+
 def confine_run(cfg: Any, rules: RunRules) -> dict[str, str]:
     """Check a RunConfig against the rules; returns the fields to replace (the real paths of model, dataset and
-    run_dir). Runs before the reward is imported and before any path is opened."""
+    run_dir). Runs before the reward is imported and before any path is opened; the caps of one step
+    (check_bounds) first."""
+    check_bounds(cfg, rules)
     if cfg.reward and cfg.reward not in BUILTIN_REWARD_NAMES and not rules.allow_custom_rewards:
         raise NotAllowed(f"reward {cfg.reward!r}: custom rewards ('module:function') run code in the trainer; "
                          f"this trainer accepts only {' or '.join(BUILTIN_REWARD_NAMES)}. Start it with "

@@ -280,11 +280,34 @@ def test_missing_steps_404_lists_existing(env):
     assert r.status_code == 404 and "final" in r.json()["detail"]
 
 
-def test_plain_curl_body_is_read_as_json(env):
-    """`curl -X POST URL -d '{...}'` (no -H) sends application/x-www-form-urlencoded: still JSON to us."""
+def test_only_json_bodies_413_415_and_host(env):
+    """A browser posts forms cross-site without asking (urlencoded, multipart, text/plain): only
+    application/json is read (415 otherwise, before the body is parsed); bodies are bounded (413); a Host this
+    service does not answer to gets 400 (DNS rebinding); /healthz stays open to any Host."""
     body = json.dumps({"checkpoint_root": str(env["root"]), "steps": [1, 40]})
-    r = env["client"].post("/probe", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    client = env["client"]
+    for ctype in ("application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "text/plain", None):
+        headers = {"content-type": ctype} if ctype else {}
+        r = client.post("/probe", content=body, headers=headers)
+        assert r.status_code == 415, (ctype, r.status_code, r.text)
+        assert "application/json" in r.json()["detail"]
+    r = client.post("/probe", content=body, headers={"content-type": "application/json; charset=utf-8"})
     assert r.status_code == 404 and r.json()["missing_steps"] == [40]
+    big = json.dumps({"checkpoint_root": "x" * (1 << 20), "steps": [1]})
+    r = client.post("/probe", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-body-bytes" in r.json()["detail"]
+
+    def chunks():  # no content-length: counted while it is read
+        yield big.encode()
+
+    r = client.post("/probe", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    for host in ("evil.example", "evil.example:8000", "127.0.0.2"):
+        r = client.get("/probe", headers={"host": host})
+        assert r.status_code == 400 and "--allowed-hosts" in r.json()["detail"], (host, r.text)
+        assert client.get("/healthz", headers={"host": host}).status_code == 200
+    for host in ("localhost", "127.0.0.1:1234", "[::1]:80"):
+        assert client.get("/probe", headers={"host": host}).status_code == 200, host
 
 
 @pytest.mark.parametrize(
