@@ -146,6 +146,7 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
     finally:
         if ahead is not None:
             ahead.close(timeout_s=600)
+        s.rollouts.close()  # and the shared-memory weights file of --weight-sync auto/shm
         s.sink.close()
 
 
@@ -196,7 +197,13 @@ class _Session:
 
     def push(self) -> float:
         self.version += 1
-        return self.rollouts.push(self.full_state(), self.version, self.cfg.weight_sync, self.run.run_dir)
+        before = self.rollouts.routes
+        elapsed = self.rollouts.push(self.full_state(), self.version, self.cfg.weight_sync, self.run.run_dir)
+        if self.rollouts.routes != before:
+            routes = ", ".join(f"{c.address} {r}" for c, r in zip(self.rollouts.clients, self.rollouts.routes,
+                                                                   strict=True))
+            self.run.event("LOG", f"weight sync ({self.cfg.weight_sync}): {routes}")
+        return elapsed
 
     def report(self, step: int, metrics: dict[str, float]) -> None:
         self.sink.write(step, metrics)
