@@ -125,6 +125,10 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
             link.tell("update", step, UpdatePayload.of(scored))  # the other ranks train on their shares
             metrics.update(policy.update(scored, loss_cfg))  # advantages, masked loss, AdamW
             t_train = time.perf_counter() - t0
+            if policy.device.type == "cuda":  # rank 0's peak since the process started (scripts/gpu_check.sh)
+                import torch
+
+                metrics["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(policy.device) / 2**30
             t_push = s.push()  # the rollout serves the new policy before the next step samples
             if ahead is not None:
                 ahead.done(step)  # sampling may move on to step + 1 + max_staleness
