@@ -20,6 +20,7 @@ services share the prompts. A push goes to every service in parallel (one thread
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import time
@@ -167,8 +168,10 @@ class Rollouts:
         return elapsed
 
 
+@functools.lru_cache(maxsize=256)
 def is_local(address: str) -> bool:
-    """True when host:port names this host (loopback, or this host's name or one of its addresses)."""
+    """True when host:port names this host (loopback, or this host's name or one of its addresses);
+    cached: the name lookup runs once per address, not per push."""
     host = address.rpartition(":")[0].strip("[]")
     if host in ("localhost", "::1") or host.startswith("127."):
         return True
