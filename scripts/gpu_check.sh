@@ -107,6 +107,7 @@ fi
 
 echo "== $STEPS steps, --entropy-top-frac 0.2 ($PROMPTS prompts x $GROUP samples, <= $MAXNEW new tokens)"
 "$PY" clients/start_run.py --trainer-address "127.0.0.1:$TPORT" --model "$WORK/model" --run-dir "$WORK/runs/check" \
+  --rollout-addresses "127.0.0.1:$RPORT" \
   --num-steps "$STEPS" --entropy-top-frac 0.2 --prompts-per-step "$PROMPTS" --group-size "$GROUP" \
   --max-new-tokens "$MAXNEW" --micro-batch-size "$MICRO" --lr 1e-6 --eval-prompts 0 --save-every 0 \
   --weight-sync auto --no-detach
