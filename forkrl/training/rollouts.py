@@ -14,7 +14,8 @@ services share the prompts. A push goes to every service in parallel (one thread
   with LoadWeights: a service on this host that sees the same /dev/shm;
 - auto (default): shm for every service whose address is on this host, stream for the others; a service
   that answers the shm load with NOT_FOUND or PERMISSION_DENIED (another /dev/shm: a container, another
-  user) gets the same version streamed at once and is streamed to from then on. The route of each service
+  user) gets the same version streamed at once and is streamed to from then on, as does every service when
+  the file cannot be written (the sync dir belongs to another user, shared memory is full). The route of each service
   is logged when it is chosen or changes, and counted in the step metrics (push_shm_services).
 """
 
@@ -133,7 +134,17 @@ class Rollouts:
                 raise RuntimeError("--weight-sync shm needs a writable /dev/shm or FORKRL_SYNC_DIR")
             if self._shm is None:
                 self._shm = SharedWeightsFile(sync_dir)
-            file = str(self._shm.write(untie(state)))
+            try:
+                file = str(self._shm.write(untie(state)))
+            except OSError as e:  # the sync dir is not ours, or shared memory is full
+                self._shm.discard()
+                self._shm = None
+                if mode != "auto":
+                    raise
+                log.warning("weight sync: cannot write %s (%s): streaming to every service from now on",
+                            sync_dir, e)
+                self._no_shm.update(i for i, r in enumerate(routes) if r == "shm")
+                routes = ["stream"] * len(routes)
 
         def one(i: int) -> int:
             c = self.clients[i]

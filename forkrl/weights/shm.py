@@ -20,6 +20,7 @@ rewritten by the next push, so the trainer waits for every LoadWeights answer fi
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import uuid
@@ -94,6 +95,7 @@ class SharedWeightsFile:
             self._map.close()
             self._map = None
         self._layout = None
-        self.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # best effort: gone already, or its folder is not a folder
+            self.path.unlink()
 
     close = discard

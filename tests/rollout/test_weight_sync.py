@@ -120,3 +120,22 @@ def test_explicit_shm_route_does_not_fall_back(services, models, dirs, monkeypat
         assert rollouts.version() == version + 1 and rollouts.routes == ["stream"]
     finally:
         rollouts.close()
+
+
+def test_auto_streams_when_the_sync_dir_cannot_be_written(services, models, dirs, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(SYNC_DIR_ENV, str(blocker / "sync"))  # mkdir fails: a file where a folder should be
+    hf32, hf64 = models
+    rollouts = Rollouts([services[0]])
+    try:
+        version = rollouts.version()
+        state = perturbed(hf32, 0.3, seed=3)
+        rollouts.push(state, version + 1, "auto", dirs["run"])
+        assert rollouts.routes == ["stream"] and rollouts._no_shm == {0}
+        worst, bound = served_parity(rollouts.clients[0], version + 1, with_state(hf32, state), with_state(hf64, state))
+        assert worst <= bound
+        with pytest.raises(OSError):  # an explicit shm route says why instead
+            rollouts.push(state, version + 2, "shm", dirs["run"])
+    finally:
+        rollouts.close()
