@@ -65,8 +65,9 @@ class RolloutSettings(TokenSettings):
     """Longest text prompt in characters (checked before it is tokenized; token-id prompts are bounded by
     max_model_len)."""
     allowed_roots: Annotated[list[str], NoDecode] = ["runs", "models"]
-    """Directories LoadWeights may read (comma-separated), besides the served model's own directory. A path
-    must resolve, symlinks followed, inside one of them (the trainer's runs_root, for --weight-sync path)."""
+    """Directories LoadWeights may read (comma-separated), besides the served model's own directory and the
+    shared-memory sync dir (/dev/shm/forkrl-sync, FORKRL_SYNC_DIR; the trainer's --weight-sync auto/shm). A
+    path must resolve, symlinks followed, inside one of them (the trainer's runs_root, for --weight-sync path)."""
     staging_dir: str | None = None
     """Where pushed weights are assembled as a safetensors file before the reload (default: /dev/shm
     when writable, so the engine reads them from memory; else <cache>/weights-staging)."""
@@ -89,8 +90,12 @@ class RolloutSettings(TokenSettings):
         return v
 
     def load_roots(self) -> list[Path]:
-        """Real paths LoadWeights may read: allowed_roots and the served model's directory."""
-        return [Path(r).expanduser().resolve() for r in (*self.allowed_roots, self.model)]
+        """Real paths LoadWeights may read: allowed_roots, the served model's directory and the sync dir."""
+        from forkrl.weights.shm import default_sync_dir  # imports torch: called per LoadWeights, not at --help
+
+        sync = default_sync_dir()
+        extra = [sync] if sync is not None else []
+        return [Path(r).expanduser().resolve() for r in (*self.allowed_roots, self.model, *extra)]
 
 
 def apply_engine_env(settings: RolloutSettings) -> None:

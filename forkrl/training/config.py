@@ -20,8 +20,9 @@ from forkrl.rl.options import LossName, MaskNorm, MaskScope, check_top_frac
 if TYPE_CHECKING:
     from forkrl.rl.losses import LossConfig
 
-WeightSync = Literal["stream", "path"]
-"""How the trainer pushes weights: streamed over gRPC (UpdateWeights) or through the run dir (LoadWeights)."""
+WeightSync = Literal["auto", "stream", "path", "shm"]
+"""How the trainer pushes weights (forkrl/training/rollouts.py): streamed over gRPC (UpdateWeights), through
+the run dir or a shared-memory file (LoadWeights), or auto (shm to services on this host, else stream)."""
 
 
 class RunConfig(BaseModel):
@@ -106,8 +107,10 @@ class RunConfig(BaseModel):
     """Truncated importance sampling on the rollout engine's logprobs: weight each token's loss by
     min(pi_old / pi_rollout, C) (published: 2.0); for cispo: its IS weight becomes pi / pi_rollout, truncated at
     its own cap (cispo_max_weight); unset = off."""
-    weight_sync: WeightSync = "stream"
-    """Push weights by streaming (UpdateWeights) or through the run dir (LoadWeights)."""
+    weight_sync: WeightSync = "auto"
+    """Weight push route: auto = a shared-memory file + LoadWeights for rollout services on this host that
+    see it, streaming (UpdateWeights) for the others; stream; path (the run dir + LoadWeights, a shared
+    volume); shm (/dev/shm, or FORKRL_SYNC_DIR, + LoadWeights)."""
     eval_every: int = Field(0, ge=0)
     """Evaluate accuracy every N steps (0 = before and after only)."""
     eval_prompts: int = Field(128, ge=0)

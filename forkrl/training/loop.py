@@ -125,6 +125,10 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
             link.tell("update", step, UpdatePayload.of(scored))  # the other ranks train on their shares
             metrics.update(policy.update(scored, loss_cfg))  # advantages, masked loss, AdamW
             t_train = time.perf_counter() - t0
+            if policy.device.type == "cuda":  # rank 0's peak since the process started (scripts/gpu_check.sh)
+                import torch
+
+                metrics["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(policy.device) / 2**30
             t_push = s.push()  # the rollout serves the new policy before the next step samples
             if ahead is not None:
                 ahead.done(step)  # sampling may move on to step + 1 + max_staleness
@@ -146,6 +150,7 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
     finally:
         if ahead is not None:
             ahead.close(timeout_s=600)
+        s.rollouts.close()  # and the shared-memory weights file of --weight-sync auto/shm
         s.sink.close()
 
 
@@ -196,7 +201,13 @@ class _Session:
 
     def push(self) -> float:
         self.version += 1
-        return self.rollouts.push(self.full_state(), self.version, self.cfg.weight_sync, self.run.run_dir)
+        before = self.rollouts.routes
+        elapsed = self.rollouts.push(self.full_state(), self.version, self.cfg.weight_sync, self.run.run_dir)
+        if self.rollouts.routes != before:
+            routes = ", ".join(f"{c.address} {r}" for c, r in zip(self.rollouts.clients, self.rollouts.routes,
+                                                                   strict=True))
+            self.run.event("LOG", f"weight sync ({self.cfg.weight_sync}): {routes}")
+        return elapsed
 
     def report(self, step: int, metrics: dict[str, float]) -> None:
         self.sink.write(step, metrics)

@@ -6,22 +6,40 @@
     rollouts.push(model, version=1, mode="stream", run_dir=run_dir)     # every service reports version 1
 
 Sampling seeds follow the global prompt index (`prompt_offsets`), so the trajectories do not depend on how many
-services share the prompts. A push either streams the state dict (UpdateWeights) or writes one safetensors file
-into the run dir that every service loads (LoadWeights).
+services share the prompts. A push goes to every service in parallel (one thread each), by one of the
+`--weight-sync` routes:
+- stream: UpdateWeights, the state streamed tensor by tensor in 4 MiB chunks (works across hosts);
+- path: one safetensors file in the run dir that every service loads (LoadWeights; a shared volume);
+- shm: one safetensors file in shared memory (forkrl/weights/shm.py), rewritten in place each push, loaded
+  with LoadWeights: a service on this host that sees the same /dev/shm;
+- auto (default): shm for every service whose address is on this host, stream for the others; a service
+  that answers the shm load with NOT_FOUND or PERMISSION_DENIED (another /dev/shm: a container, another
+  user) gets the same version streamed at once and is streamed to from then on, as does every service when
+  the file cannot be written (the sync dir belongs to another user, shared memory is full). The route of each service
+  is logged when it is chosen or changes, and counted in the step metrics (push_shm_services).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 
 from forkrl.clients.rollout import RolloutClient
 from forkrl.files import atomic_write
 from forkrl.training.config import WeightSync
+from forkrl.weights.shm import SharedWeightsFile, default_sync_dir
+
+log = logging.getLogger("forkrl.rollouts")
+# answers to a LoadWeights of the shm file that mean "this service does not see the file": stream instead
+_NOT_COLOCATED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class Rollouts:
@@ -34,6 +52,9 @@ class Rollouts:
         # of the last push, the slowest service's: seconds it waited for in-flight samples (drain) and applied
         # the weights; new samples wait at its gate for drain + apply (the stall of generation per push)
         self.last_swap: dict[str, float] = {}
+        self.routes: list[str] = []  # of the last push: "stream", "path" or "shm" per service
+        self._no_shm: set[int] = set()  # services that answered the shm load with NOT_FOUND/PERMISSION_DENIED
+        self._shm: SharedWeightsFile | None = None
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         for c in self.clients:
@@ -72,30 +93,104 @@ class Rollouts:
         want = Path(model_dir).resolve()
         return all(i.version == 0 and Path(i.model).resolve() == want for i in (c.info() for c in self.clients))
 
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.discard()
+        self.pool.shutdown(wait=False)
+        for c in self.clients:
+            c.close()
+
+    def choose_routes(self, mode: WeightSync) -> list[str]:
+        """The route of each service for a push in `mode` (see the module docstring)."""
+        if mode in ("stream", "path", "shm"):
+            return [mode] * len(self.clients)
+        sync = default_sync_dir()
+        return ["shm" if sync is not None and i not in self._no_shm and is_local(c.address) else "stream"
+                for i, c in enumerate(self.clients)]
+
     def push(self, model: torch.nn.Module | dict[str, torch.Tensor], version: int, mode: WeightSync,
              run_dir: Path) -> float:
-        """Send the weights (a model, or its full state dict) as `version` to every service; returns the
-        seconds it took."""
+        """Send the weights (a model, or its full state dict) as `version` to every service in parallel;
+        returns the seconds it took."""
         items = model.items() if isinstance(model, dict) else model.state_dict().items()
         state = {k: v.detach() for k, v in items}
         t0 = time.perf_counter()
-        if mode == "path":
+        routes = self.choose_routes(mode)
+        if routes != self.routes:
+            log.info("weight sync (%s): %s", mode,
+                     ", ".join(f"{c.address} {r}" for c, r in zip(self.clients, routes, strict=True)))
+        file: str = ""
+        if "path" in routes:
             from safetensors.torch import save
 
             sync = run_dir / "weights_sync"
             sync.mkdir(parents=True, exist_ok=True)
             blob = save({k: v.contiguous() for k, v in untie(state).items()})
             atomic_write(sync / "model.safetensors", blob)
-            versions = list(self.pool.map(lambda c: c.load_weights(str(sync), version), self.clients))
-        else:
-            versions = list(self.pool.map(lambda c: c.update_weights(state, version), self.clients))
+            file = str(sync)
+        elif "shm" in routes:
+            sync_dir = default_sync_dir()
+            if sync_dir is None:
+                raise RuntimeError("--weight-sync shm needs a writable /dev/shm or FORKRL_SYNC_DIR")
+            if self._shm is None:
+                self._shm = SharedWeightsFile(sync_dir)
+            try:
+                file = str(self._shm.write(untie(state)))
+            except OSError as e:  # the sync dir is not ours, or shared memory is full
+                self._shm.discard()
+                self._shm = None
+                if mode != "auto":
+                    raise
+                log.warning("weight sync: cannot write %s (%s): streaming to every service from now on",
+                            sync_dir, e)
+                self._no_shm.update(i for i, r in enumerate(routes) if r == "shm")
+                routes = ["stream"] * len(routes)
+
+        def one(i: int) -> int:
+            c = self.clients[i]
+            if routes[i] == "stream":
+                return c.update_weights(state, version)
+            try:
+                return c.load_weights(file, version)
+            except grpc.RpcError as e:
+                if mode != "auto" or e.code() not in _NOT_COLOCATED:
+                    raise
+                log.info("weight sync: %s does not see %s (%s): streaming to it from now on", c.address, file,
+                         e.code().name)
+                self._no_shm.add(i)
+                routes[i] = "stream"
+                return c.update_weights(state, version)
+
+        try:
+            versions = list(self.pool.map(one, range(len(self.clients))))
+        except BaseException:
+            if self._shm is not None:  # a reload may still read it: never rewrite those pages
+                self._shm.discard()
+                self._shm = None
+            raise
         if any(v != version for v in versions):
             raise RuntimeError(f"rollout services report versions {versions} after pushing version {version}")
         elapsed = time.perf_counter() - t0
+        self.routes = routes
         resps = [c.last_weights_response for c in self.clients]
-        self.last_swap = {"swap_drain_s": max(r.drain_s for r in resps),
-                          "swap_apply_s": max(r.apply_s for r in resps)}
+        self.last_swap = {"swap_drain_s": max((r.drain_s for r in resps if r is not None), default=0.0),
+                          "swap_apply_s": max((r.apply_s for r in resps if r is not None), default=0.0),
+                          "push_shm_services": float(routes.count("shm"))}
         return elapsed
+
+
+@functools.lru_cache(maxsize=256)
+def is_local(address: str) -> bool:
+    """True when host:port names this host (loopback, or this host's name or one of its addresses);
+    cached: the name lookup runs once per address, not per push."""
+    host = address.rpartition(":")[0].strip("[]")
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        name = socket.gethostname()
+        return host in {name, socket.getfqdn()} or host in {a[4][0] for a in socket.getaddrinfo(name, None)}
+    except OSError:
+        return False
 
 
 def untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -45,38 +45,47 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def pack_state_dict(state: Mapping[str, torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> PackedStateDict:
-    """Describe `state` and stream its bytes.
-
-    Memory: tensors that already are contiguous CPU tensors are read in place; others (GPU,
-    non-contiguous) are copied to CPU once and kept until the chunk iterator is exhausted. The chunks
-    themselves are the only other allocation (one `chunk_bytes` buffer at a time).
-    """
-    if not 0 < chunk_bytes <= CHUNK_BYTES:
-        raise ValueError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes}")
-    tensors: list[torch.Tensor] = []
+def tensor_metas(state: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
+    """{name, dtype, shape, nbytes} of each tensor in order, from shapes alone (no data is touched)."""
     metas: list[TensorMeta] = []
-    digest = hashlib.sha256()
-    total = 0
     for name, t in state.items():
         name_dtype = dtype_name(t.dtype)
         if name_dtype not in DTYPES:
             raise WeightsError(f"tensor {name!r} has dtype {name_dtype}; only {', '.join(DTYPES)} are sent")
-        t = t.detach().to("cpu").contiguous()  # no-op for contiguous CPU tensors
-        view = _byte_view(t)
-        digest.update(view)
-        tensors.append(t)
-        metas.append({"name": name, "dtype": name_dtype, "shape": list(t.shape), "nbytes": view.nbytes})
-        total += view.nbytes
-    return PackedStateDict(metas, total, digest.hexdigest(), _chunks(tensors, chunk_bytes))
+        metas.append({"name": name, "dtype": name_dtype, "shape": list(t.shape),
+                      "nbytes": t.numel() * t.element_size()})
+    return metas
 
 
-def _chunks(tensors: list[torch.Tensor], chunk_bytes: int) -> Iterator[bytes]:
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a contiguous CPU tensor: itself when it already is one, else a copy of this tensor alone."""
+    return t.detach().to("cpu").contiguous()
+
+
+def pack_state_dict(state: Mapping[str, torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> PackedStateDict:
+    """Describe `state` and stream its bytes, tensor by tensor.
+
+    Memory: contiguous CPU tensors are read in place. Any other tensor (on a GPU, non-contiguous) is
+    copied to CPU alone, once for the checksum pass and once more when the chunk iterator reaches it, and
+    dropped after each: at most one tensor's copy and one `chunk_bytes` buffer are alive at a time, never a
+    second copy of the whole state (`tests/unit/test_weights_stream.py` counts it).
+    """
+    if not 0 < chunk_bytes <= CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes}")
+    metas = tensor_metas(state)
+    digest = hashlib.sha256()
+    for t in state.values():
+        digest.update(_byte_view(_on_cpu(t)))
+    total = sum(int(m["nbytes"]) for m in metas)
+    return PackedStateDict(metas, total, digest.hexdigest(), _chunks(state.values(), chunk_bytes))
+
+
+def _chunks(tensors: Iterable[torch.Tensor], chunk_bytes: int) -> Iterator[bytes]:
     # Small tensors (norms, biases) are packed together: one message per tensor would mean thousands
     # of tiny messages for a real model. Whole chunks inside a large tensor are copied once, directly.
     buf = bytearray()
     for t in tensors:
-        view = _byte_view(t)
+        view = _byte_view(_on_cpu(t))
         pos = 0
         while pos < view.nbytes:
             if not buf and view.nbytes - pos >= chunk_bytes:
@@ -89,6 +98,7 @@ def _chunks(tensors: list[torch.Tensor], chunk_bytes: int) -> Iterator[bytes]:
             if len(buf) == chunk_bytes:
                 yield bytes(buf)
                 buf.clear()
+        del view
     if buf:
         yield bytes(buf)
 

@@ -35,6 +35,8 @@ class WeightSync(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_SYNC_UNSPECIFIED: _ClassVar[WeightSync]
     WEIGHT_SYNC_STREAM: _ClassVar[WeightSync]
     WEIGHT_SYNC_PATH: _ClassVar[WeightSync]
+    WEIGHT_SYNC_AUTO: _ClassVar[WeightSync]
+    WEIGHT_SYNC_SHM: _ClassVar[WeightSync]
 
 class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -71,6 +73,8 @@ MASK_NORM_ALL: MaskNorm
 WEIGHT_SYNC_UNSPECIFIED: WeightSync
 WEIGHT_SYNC_STREAM: WeightSync
 WEIGHT_SYNC_PATH: WeightSync
+WEIGHT_SYNC_AUTO: WeightSync
+WEIGHT_SYNC_SHM: WeightSync
 RUN_STATE_UNSPECIFIED: RunState
 RUN_STATE_STARTING: RunState
 RUN_STATE_RUNNING: RunState
