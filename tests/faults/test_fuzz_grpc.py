@@ -19,7 +19,10 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.descriptor import FieldDescriptor as F
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from forkrl.security import grpc_channel
@@ -27,11 +30,6 @@ from forkrl.wire.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.rollout.test_server_plumbing import MODEL, ServerThread
 from tests.service_fixtures import start_trainer_service
-
-hypothesis = pytest.importorskip("hypothesis")  # the test extra (pyproject.toml)
-from google.protobuf.descriptor import FieldDescriptor as F  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 EXAMPLES = 30
 CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,

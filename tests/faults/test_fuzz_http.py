@@ -20,16 +20,14 @@ import httpx
 import pytest
 import uvicorn
 from fastapi.routing import APIRoute
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from forkrl.probe.params import ProbeParams
 from forkrl.security import http_headers
 from probe_service.app import create_app
 from probe_service.config import ProbeSettings
 from tests.service_fixtures import wait_until
-
-hypothesis = pytest.importorskip("hypothesis")  # the test extra (pyproject.toml)
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 EXAMPLES = 30
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
