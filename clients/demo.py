@@ -73,8 +73,19 @@ def class_table(train: list[dict]) -> list[str]:
     return ["", "Kept tokens by class (mean over steps; kept rate = kept / tokens of the class)", _table(rows)]
 
 
-def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
-    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def gain_line(gain: dict | None) -> str:
+    """The eval gain with its paired bootstrap interval over eval prompts (forkrl/training/curves.py)."""
+    if gain is None:
+        return "eval gain: no per-prompt evaluations (eval_prompts.jsonl) to bootstrap"
+    return (f"eval accuracy gain (T=1): {gain['mean']:+.3f}  95% CI [{gain['lo']:+.3f}, {gain['hi']:+.3f}]  "
+            f"({gain['before']:.3f} -> {gain['after']:.3f}, step {gain['step_before']} -> {gain['step_after']}; "
+            f"paired bootstrap over {gain['n_prompts']} eval prompts, {gain['draws']} draws)")
+
+
+def report(run_dir: Path, summary: dict, probe_dir: Path | None, curve: Path | None = None) -> str:
+    from forkrl.training.curves import eval_gain, read_metrics
+
+    lines = read_metrics(run_dir)
     evals = [m for m in lines if m["kind"] == "eval"]
     train = [m for m in lines if m["kind"] == "train"]
     out = []
@@ -94,7 +105,7 @@ def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
                  f"{avg(last, 'reward_mean'):.3f}"])
     rows.append(["kept fraction of response tokens", f"{avg(first, 'kept_frac'):.3f}", f"{avg(last, 'kept_frac'):.3f}"])
     rows.append(["mean token entropy (nats)", f"{avg(first, 'entropy_mean'):.3f}", f"{avg(last, 'entropy_mean'):.3f}"])
-    out += ["", "Training", _table(rows)]
+    out += ["", "Training", _table(rows), gain_line(eval_gain(run_dir))]
     out += class_table(train)
 
     results = summary.get("results", [])
@@ -121,6 +132,8 @@ def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
     if probe_dir is not None:
         out += [f"probe:       {probe_dir} (summary.json, token_probe_records.jsonl, manifest.json)"]
         out += [f"plot:        {p}" for p in sorted(probe_dir.glob("*.png"))]
+    if curve is not None:
+        out += [f"curve:       {curve} (eval accuracy and train reward vs step)"]
     return "\n".join(out)
 
 
@@ -170,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] probe done in {time.monotonic() - t_probe:.0f}s", flush=True)
         jobs = [p for p in (data / "probe_jobs").glob("*") if (p / "summary.json").is_file()]
         probe_dir = max(jobs, key=lambda p: p.stat().st_mtime) if jobs else None
-    print(report(run_dir, summary, probe_dir))
+    from forkrl.training.curves import plot_run_curve, read_metrics
+
+    curve = plot_run_curve(run_dir / "training_curve.png", read_metrics(run_dir),
+                           title=f"demo: top {args.entropy_top_frac:.0%} mask, seed {args.seed}")
+    print(report(run_dir, summary, probe_dir, curve))
     print(f"\n[demo] total {time.monotonic() - t0:.0f}s; all services stopped")
     return 0
 
