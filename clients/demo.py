@@ -1,15 +1,17 @@
 """The whole loop in one command on the embedded default: build, serve, train with the mask, probe, report.
 
     python clients/demo.py                  # what `bash scripts/demo.sh` runs after setting up the venv
-    python clients/demo.py --num-steps 60 --entropy-top-frac 0.2
+    python clients/demo.py --seed 1 --num-steps 150 --entropy-top-frac 0.2
 
 1. copies the embedded tiny model (committed in forkrl/models/default, or $FORKRL_MODEL_DIR) into the data dir,
 2. starts the three services with the local launcher (the same commands as compose.yaml),
 3. runs `clients/start_run.py --entropy-top-frac 0.2` (progress bar, checkpoints every --save-every steps),
 4. POSTs a probe of two of its checkpoints (`?wait=true`),
-5. prints eval accuracy before → after, reward first → last steps, what the mask keeps by answer-token class
+5. prints eval accuracy before → after with the gain's paired bootstrap 95% interval over eval prompts, reward
+   first → last steps, what the mask keeps by answer-token class
    (choice / computed / copied / separator / EOS), and grad_norm by entropy bin,
-6. stops every service (also on Ctrl-C or an error).
+6. writes the run's training curve (eval accuracy and reward vs step) to <run dir>/training_curve.png,
+7. stops every service (also on Ctrl-C or an error).
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ sys.path.insert(0, str(REPO_ROOT))
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python clients/demo.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--num-steps", type=int, default=60, help="RL steps")
+    p.add_argument("--num-steps", type=int, default=150, help="RL steps")
     p.add_argument("--entropy-top-frac", type=float, default=0.2, help="forking-token fraction (1.0 = all tokens)")
     p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
-    p.add_argument("--eval-prompts", type=int, default=256, help="eval-split prompts for before/after accuracy")
+    p.add_argument("--eval-prompts", type=int, default=512,
+                   help="eval-split prompts for before/after accuracy (and the bootstrap interval of the gain)")
+    p.add_argument("--eval-every", type=int, default=50, help="also evaluate every N steps (the curve's points)")
     p.add_argument("--data-dir", type=Path, default=REPO_ROOT / "runs" / "demo",
                    help="where the stack keeps its model, runs and probe jobs")
     p.add_argument("--seed", type=int, default=0, help="run seed")
@@ -164,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                "--entropy-top-frac", str(args.entropy_top_frac), "--num-steps", str(args.num_steps),
                "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
                "--lr", str(args.lr), "--save-every", str(save_every), "--eval-prompts", str(args.eval_prompts),
+               "--eval-every", str(args.eval_every),
                "--seed", str(args.seed), "--run-dir", str(run_dir), "--model", str(model_dir),
                "--rollout-addresses", addr["rollout"], "--trainer-address", addr["trainer"]]
         print("[demo] $ " + " ".join(cmd[1:]), flush=True)
