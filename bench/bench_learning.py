@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="results JSON (default: <data-dir>/results.json)")
     p.add_argument("--plot", type=Path, default=None,
                    help="eval accuracy vs step PNG (default: <data-dir>/learning_curves.png)")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="run nothing: print the tables and write the plot from earlier --out files (e.g. one "
+                        "invocation per seed), keeping the --arms and --seeds given")
     args = p.parse_args(argv)
     args.arms = list(dict.fromkeys(args.arms))  # order kept, duplicates dropped
     args.seeds = list(dict.fromkeys(args.seeds))
@@ -156,6 +159,7 @@ def _run_one(stub, stack, args: argparse.Namespace, model: Path, arm: str, seed:
     train = [m for m in lines if m["kind"] == "train" and "time_step_s" in m]
     return {
         "arm": arm, "seed": seed, "config": fields, "steps": args.num_steps, "run_dir": str(run_dir),
+        "settings": settings(args),
         "wall_s": time.monotonic() - t0, "step_s": sum(m["time_step_s"] for m in train) / len(train),
         "updates": sum(m.get("n_updates", 1.0) for m in train) / len(train),
         "kept_frac": sum(m["kept_frac"] for m in train) / len(train),
@@ -166,8 +170,60 @@ def _run_one(stub, stack, args: argparse.Namespace, model: Path, arm: str, seed:
     }
 
 
+def settings(args: argparse.Namespace) -> dict:
+    """What every arm of one invocation shares (printed as the title; kept in each result for --merge)."""
+    return {"task": args.task or "sum3", "loss": args.loss, "steps": args.num_steps,
+            "prompts_per_step": args.prompts_per_step, "group_size": args.group_size, "lr": args.lr,
+            "eval_prompts": args.eval_prompts}
+
+
+def title_of(results: list[dict]) -> str:
+    """One line of the shared settings (several values joined by '/' when merged runs differ) and the seeds."""
+    keys = list(results[0]["settings"])
+    v = {k: "/".join(dict.fromkeys(str(r["settings"][k]) for r in results)) for k in keys}
+    seeds = " ".join(map(str, dict.fromkeys(r["seed"] for r in results)))
+    return (f"task {v['task']}, {v['loss']}, {v['steps']} steps x {v['prompts_per_step']} prompts x "
+            f"{v['group_size']} samples, lr {v['lr']}, eval on {v['eval_prompts']} eval-split prompts "
+            f"(T=1: 4 samples per prompt), seeds {seeds}")
+
+
+def load_results(paths: list[Path], arms: list[str], seeds: list[int]) -> list[dict]:
+    """The results of earlier --out files whose arm and seed were asked for, seeds outer, each (seed, arm) once
+    (the last file wins)."""
+    by_key = {}
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["results"]:
+            by_key[(r["seed"], r["arm"])] = r
+    return [by_key[(s, a)] for s in seeds for a in arms if (s, a) in by_key]
+
+
+def report(args: argparse.Namespace, results: list[dict]) -> None:
+    title = title_of(results)
+    print(f"\n{title}")
+    print("\n".join(run_table(results)))
+    print("\nper arm, mean ± sd over seeds")
+    print("\n".join(summary_table(results)))
+    if any(r["classes"] for r in results):
+        print("\nkept tokens by answer-token class (mean over steps, first seed's run): share of all / of kept")
+        firsts = {r["arm"]: r for r in reversed(results)}
+        classes = list(next(iter(firsts.values()))["classes"])
+        print(f"{'arm':>16} " + " ".join(f"{c:>17}" for c in classes))
+        for arm, r in firsts.items():
+            cells = [f"{r['classes'][c]['all']:.3f} / {r['classes'][c]['kept']:.3f}" for c in classes]
+            print(f"{LABELS[arm]:>16} " + " ".join(f"{x:>17}" for x in cells))
+    short = title.replace(" (T=1: 4 samples per prompt)", "").replace(", eval on", "\neval on")
+    print(f"\nplot:    {write_plot(args.plot, results, short)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        results = load_results(args.merge, args.arms, args.seeds)
+        if not results:
+            print("no results for these arms and seeds in " + " ".join(map(str, args.merge)), file=sys.stderr)
+            return 1
+        report(args, results)
+        return 0
     from clients.stack import Stack
     from forkrl.security import grpc_channel
     from forkrl.wire.trainer.v1 import trainer_pb2_grpc
@@ -175,8 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     args.data_dir = args.data_dir.resolve()
     model = args.data_dir / "models" / "tiny"  # installed by the stack's one-shot `model` service
     results: list[dict] = []
-    title = (f"task {args.task or 'sum3'}, {args.loss}, {args.num_steps} steps x {args.prompts_per_step} prompts "
-             f"x {args.group_size}, lr {args.lr}, seeds {' '.join(map(str, args.seeds))}")
     with Stack(data_dir=args.data_dir, services=["rollout", "trainer"], echo=False) as stack:
         stub = trainer_pb2_grpc.TrainerServiceStub(grpc_channel(stack.addresses["trainer"], token=stack.token))
         for seed in args.seeds:  # seeds outer: an interrupted bench still has every arm on its first seeds
@@ -189,19 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                 "results": results}, indent=2))
-    print(f"\n{title}; eval on {args.eval_prompts} eval-split prompts (T=1: 4 samples per prompt)")
-    print("\n".join(run_table(results)))
-    print("\nper arm, mean ± sd over seeds")
-    print("\n".join(summary_table(results)))
-    if any(r["classes"] for r in results):
-        print("\nkept tokens by answer-token class (mean over steps and seeds' first run): share of all / of kept")
-        firsts = {r["arm"]: r for r in reversed(results)}
-        classes = list(next(iter(firsts.values()))["classes"])
-        print(f"{'arm':>16} " + " ".join(f"{c:>17}" for c in classes))
-        for arm, r in firsts.items():
-            cells = [f"{r['classes'][c]['all']:.3f} / {r['classes'][c]['kept']:.3f}" for c in classes]
-            print(f"{LABELS[arm]:>16} " + " ".join(f"{x:>17}" for x in cells))
-    print(f"\nplot:    {write_plot(args.plot, results, title)}\nresults: {args.out}")
+    report(args, results)
+    print(f"results: {args.out}")
     return 0
 
 

@@ -158,7 +158,9 @@ def test_bench_tables_and_plot(bench, tmp_path: Path):
     def res(arm: str, seed: int, before: float, after: float, step_s: float) -> dict:
         return {"arm": arm, "seed": seed, "acc_before": before, "acc_after": after, "greedy_before": 0.3,
                 "greedy_after": 0.4, "step_s": step_s, "wall_s": 10.0, "kept_frac": 0.2, "updates": 1.0,
-                "gain": None, "curve": [(0, before, 0.3), (10, after, 0.4)]}
+                "gain": None, "curve": [(0, before, 0.3), (10, after, 0.4)], "classes": {},
+                "settings": {"task": "sum3", "loss": "grpo", "steps": 10, "prompts_per_step": 32, "group_size": 8,
+                             "lr": 3e-4, "eval_prompts": 64}}
 
     results = [res("top20", 0, 0.25, 0.5, 1.0), res("async", 0, 0.25, 0.375, 0.5),
                res("top20", 1, 0.25, 0.25, 1.0), res("async", 1, 0.25, 0.375, 0.5)]
@@ -167,7 +169,30 @@ def test_bench_tables_and_plot(bench, tmp_path: Path):
     assert rows[-1] == "ratio of mean s/step async/sync: 0.50"
     assert len(bench.run_table(results)) == 5
     _assert_png(bench.write_plot(tmp_path / "p.png", results, "t"))
-    json.dumps(results)  # what --out writes
+    assert bench.title_of(results).startswith("task sum3, grpo, 10 steps x 32 prompts x 8 samples")
+    assert bench.title_of(results).endswith("seeds 0 1")
+
+
+def test_bench_merge_of_earlier_outputs(bench, tmp_path: Path, capsys):
+    def res(arm: str, seed: int, steps: int) -> dict:
+        return {"arm": arm, "seed": seed, "acc_before": 0.25, "acc_after": 0.5, "greedy_before": 0.3,
+                "greedy_after": 0.4, "step_s": 1.0, "wall_s": 10.0, "kept_frac": 0.2, "updates": 1.0,
+                "gain": {"mean": 0.25, "lo": 0.2, "hi": 0.3}, "curve": [(0, 0.25, 0.3), (steps, 0.5, 0.4)],
+                "classes": {}, "settings": {"task": "sum3", "loss": "grpo", "steps": steps, "prompts_per_step": 32,
+                                            "group_size": 8, "lr": 3e-4, "eval_prompts": 64}}
+
+    (tmp_path / "s0.json").write_text(json.dumps({"results": [res("top20", 0, 10), res("full", 0, 10)]}))
+    (tmp_path / "s1.json").write_text(json.dumps({"results": [res("top20", 1, 20), res("full", 1, 20)]}))
+    got = bench.load_results([tmp_path / "s1.json", tmp_path / "s0.json"], ["full", "top20"], [0, 1])
+    assert [(r["seed"], r["arm"]) for r in got] == [(0, "full"), (0, "top20"), (1, "full"), (1, "top20")]
+    assert bench.load_results([tmp_path / "s0.json"], ["async"], [0]) == []
+    plot = tmp_path / "merged.png"
+    assert bench.main(["--merge", str(tmp_path / "s0.json"), str(tmp_path / "s1.json"), "--arms", "top20", "full",
+                       "--seeds", "0", "1", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "10/20 steps" in out and "+0.250 [+0.200, +0.300]" in out
+    _assert_png(plot)
+    assert bench.main(["--merge", str(tmp_path / "s0.json"), "--arms", "async", "--plot", str(plot)]) == 1
 
 
 def test_demo_gain_line():
