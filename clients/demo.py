@@ -1,7 +1,7 @@
 """The whole loop in one command on the embedded default: build, serve, train with the mask, probe, report.
 
     python clients/demo.py                  # what `bash scripts/demo.sh` runs after setting up the venv
-    python clients/demo.py --seed 1 --num-steps 150 --entropy-top-frac 0.2
+    python clients/demo.py --seed 1 --num-steps 100 --entropy-top-frac 1.0
 
 1. copies the embedded tiny model (committed in forkrl/models/default, or $FORKRL_MODEL_DIR) into the data dir,
 2. starts the three services with the local launcher (the same commands as compose.yaml),
@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO_ROOT))
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python clients/demo.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--num-steps", type=int, default=150, help="RL steps")
+    p.add_argument("--num-steps", type=int, default=200, help="RL steps")
     p.add_argument("--entropy-top-frac", type=float, default=0.2, help="forking-token fraction (1.0 = all tokens)")
     p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
