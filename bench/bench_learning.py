@@ -205,7 +205,9 @@ def report(args: argparse.Namespace, results: list[dict]) -> None:
     print("\n".join(summary_table(results)))
     if any(r["classes"] for r in results):
         print("\nkept tokens by answer-token class (mean over steps, first seed's run): share of all / of kept")
-        firsts = {r["arm"]: r for r in reversed(results)}
+        firsts: dict[str, dict] = {}
+        for r in results:
+            firsts.setdefault(r["arm"], r)
         classes = list(next(iter(firsts.values()))["classes"])
         print(f"{'arm':>16} " + " ".join(f"{c:>17}" for c in classes))
         for arm, r in firsts.items():
