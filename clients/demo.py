@@ -1,15 +1,17 @@
 """The whole loop in one command on the embedded default: build, serve, train with the mask, probe, report.
 
     python clients/demo.py                  # what `bash scripts/demo.sh` runs after setting up the venv
-    python clients/demo.py --num-steps 60 --entropy-top-frac 0.2
+    python clients/demo.py --seed 1 --num-steps 100 --entropy-top-frac 1.0
 
 1. copies the embedded tiny model (committed in forkrl/models/default, or $FORKRL_MODEL_DIR) into the data dir,
 2. starts the three services with the local launcher (the same commands as compose.yaml),
 3. runs `clients/start_run.py --entropy-top-frac 0.2` (progress bar, checkpoints every --save-every steps),
 4. POSTs a probe of two of its checkpoints (`?wait=true`),
-5. prints eval accuracy before → after, reward first → last steps, what the mask keeps by answer-token class
+5. prints eval accuracy before → after with the gain's paired bootstrap 95% interval over eval prompts, reward
+   first → last steps, what the mask keeps by answer-token class
    (choice / computed / copied / separator / EOS), and grad_norm by entropy bin,
-6. stops every service (also on Ctrl-C or an error).
+6. writes the run's training curve (eval accuracy and reward vs step) to <run dir>/training_curve.png,
+7. stops every service (also on Ctrl-C or an error).
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ sys.path.insert(0, str(REPO_ROOT))
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python clients/demo.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--num-steps", type=int, default=60, help="RL steps")
+    p.add_argument("--num-steps", type=int, default=200, help="RL steps")
     p.add_argument("--entropy-top-frac", type=float, default=0.2, help="forking-token fraction (1.0 = all tokens)")
     p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
-    p.add_argument("--eval-prompts", type=int, default=256, help="eval-split prompts for before/after accuracy")
+    p.add_argument("--eval-prompts", type=int, default=512,
+                   help="eval-split prompts for before/after accuracy (and the bootstrap interval of the gain)")
+    p.add_argument("--eval-every", type=int, default=50, help="also evaluate every N steps (the curve's points)")
     p.add_argument("--data-dir", type=Path, default=REPO_ROOT / "runs" / "demo",
                    help="where the stack keeps its model, runs and probe jobs")
     p.add_argument("--seed", type=int, default=0, help="run seed")
@@ -73,8 +77,19 @@ def class_table(train: list[dict]) -> list[str]:
     return ["", "Kept tokens by class (mean over steps; kept rate = kept / tokens of the class)", _table(rows)]
 
 
-def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
-    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def gain_line(gain: dict | None) -> str:
+    """The eval gain with its paired bootstrap interval over eval prompts (forkrl/training/curves.py)."""
+    if gain is None:
+        return "eval gain: no per-prompt evaluations (eval_prompts.jsonl) to bootstrap"
+    return (f"eval accuracy gain (T=1): {gain['mean']:+.3f}  95% CI [{gain['lo']:+.3f}, {gain['hi']:+.3f}]  "
+            f"({gain['before']:.3f} -> {gain['after']:.3f}, step {gain['step_before']} -> {gain['step_after']}; "
+            f"paired bootstrap over {gain['n_prompts']} eval prompts, {gain['draws']} draws)")
+
+
+def report(run_dir: Path, summary: dict, probe_dir: Path | None, curve: Path | None = None) -> str:
+    from forkrl.training.curves import eval_gain, read_metrics
+
+    lines = read_metrics(run_dir)
     evals = [m for m in lines if m["kind"] == "eval"]
     train = [m for m in lines if m["kind"] == "train"]
     out = []
@@ -94,7 +109,7 @@ def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
                  f"{avg(last, 'reward_mean'):.3f}"])
     rows.append(["kept fraction of response tokens", f"{avg(first, 'kept_frac'):.3f}", f"{avg(last, 'kept_frac'):.3f}"])
     rows.append(["mean token entropy (nats)", f"{avg(first, 'entropy_mean'):.3f}", f"{avg(last, 'entropy_mean'):.3f}"])
-    out += ["", "Training", _table(rows)]
+    out += ["", "Training", _table(rows), gain_line(eval_gain(run_dir))]
     out += class_table(train)
 
     results = summary.get("results", [])
@@ -121,6 +136,8 @@ def report(run_dir: Path, summary: dict, probe_dir: Path | None) -> str:
     if probe_dir is not None:
         out += [f"probe:       {probe_dir} (summary.json, token_probe_records.jsonl, manifest.json)"]
         out += [f"plot:        {p}" for p in sorted(probe_dir.glob("*.png"))]
+    if curve is not None:
+        out += [f"curve:       {curve} (eval accuracy and train reward vs step)"]
     return "\n".join(out)
 
 
@@ -151,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                "--entropy-top-frac", str(args.entropy_top_frac), "--num-steps", str(args.num_steps),
                "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
                "--lr", str(args.lr), "--save-every", str(save_every), "--eval-prompts", str(args.eval_prompts),
+               "--eval-every", str(args.eval_every),
                "--seed", str(args.seed), "--run-dir", str(run_dir), "--model", str(model_dir),
                "--rollout-addresses", addr["rollout"], "--trainer-address", addr["trainer"]]
         print("[demo] $ " + " ".join(cmd[1:]), flush=True)
@@ -171,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] probe done in {time.monotonic() - t_probe:.0f}s", flush=True)
         jobs = [p for p in (data / "probe_jobs").glob("*") if (p / "summary.json").is_file()]
         probe_dir = max(jobs, key=lambda p: p.stat().st_mtime) if jobs else None
-    print(report(run_dir, summary, probe_dir))
+    from forkrl.training.curves import plot_run_curve, read_metrics
+
+    curve = plot_run_curve(run_dir / "training_curve.png", read_metrics(run_dir),
+                           title=f"demo: top {args.entropy_top_frac:.0%} mask, seed {args.seed}")
+    print(report(run_dir, summary, probe_dir, curve))
     print(f"\n[demo] total {time.monotonic() - t0:.0f}s; all services stopped")
     return 0
 

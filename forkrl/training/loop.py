@@ -217,9 +217,11 @@ class _Session:
         if not self.eval_problems:
             return
         t0 = time.perf_counter()
-        res = evaluate(self.rollouts, self.reward_fn, self.eval_problems, self.cfg)
+        per_prompt: dict[str, list[float]] = {}
+        res = evaluate(self.rollouts, self.reward_fn, self.eval_problems, self.cfg, per_prompt=per_prompt)
         res["time_eval_s"] = time.perf_counter() - t0
         self.sink.write(step, res, kind="eval")
+        self.sink.write_eval_prompts(step, per_prompt)
         self.run.event("EVAL", f"eval on {len(self.eval_problems)} prompts", step=step, values=res)
 
     def checkpoint(self, step: int, name: str) -> None:

@@ -4,6 +4,7 @@
     sink = MetricsSink(run_dir, tensorboard=True)
     sink.write(step, {"reward_mean": 0.31, ...})            # kind "train"
     sink.write(step, {"eval_accuracy": 0.37}, kind="eval")
+    sink.write_eval_prompts(step, {"eval_accuracy": [0.25, 1.0, ...]})   # eval_prompts.jsonl: per prompt
     sink.close()
 
     class_breakdown(labels, kept, classes)   # what the forking-token mask keeps, by answer-token class
@@ -25,6 +26,8 @@ from pathlib import Path
 
 from forkrl.data.problem import TOKEN_CLASSES
 
+EVAL_PROMPTS_FILE = "eval_prompts.jsonl"
+
 
 class MetricsSink:
     """metrics.jsonl (always) + TensorBoard (optional). Lines are flushed per step: nothing lost on a crash."""
@@ -45,6 +48,13 @@ class MetricsSink:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.writer.add_scalar(f"{kind}/{k}", v, step)
             self.writer.flush()
+
+    def write_eval_prompts(self, step: int, per_prompt: dict[str, list[float]]) -> None:
+        """One line of `eval_prompts.jsonl`: each eval prompt's accuracy (same prompt order at every eval), what
+        the paired bootstrap of the gain before -> after resamples (forkrl/training/curves.py)."""
+        if per_prompt:
+            with open(self.path.with_name(EVAL_PROMPTS_FILE), "a") as f:
+                f.write(json.dumps({"step": step, **per_prompt}, sort_keys=True) + "\n")
 
     def close(self) -> None:
         if self.writer is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -127,8 +128,10 @@ def collect_batch(rollouts: Rollouts, data: DataOrder, reward_fn: RewardFn, cfg:
 
 
 def evaluate(rollouts: Rollouts, reward_fn: RewardFn, problems: list[Problem], cfg: RunConfig,
-             samples: int = 4) -> dict[str, float]:
-    """Accuracy on eval prompts through the rollout service: sampled at T (n=samples) and greedy."""
+             samples: int = 4, per_prompt: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """Accuracy on eval prompts through the rollout service: sampled at T (n=samples) and greedy. With
+    `per_prompt` (a dict), also fills per_prompt[name] with each prompt's accuracy (fraction of its samples
+    correct, in `problems` order): what a paired bootstrap over prompts needs (forkrl/training/curves.py)."""
     if not problems:
         return {}
     prompts = [p.prompt for p in problems]
@@ -139,5 +142,9 @@ def evaluate(rollouts: Rollouts, reward_fn: RewardFn, problems: list[Problem], c
         flat = [t for g in groups for t in g]
         probs = [p for p, g in zip(problems, groups, strict=True) for _ in g]
         rewards = reward_fn([t.completion_text for t in flat], probs).rewards
-        out[name] = sum(1.0 for r in rewards if r is not None and r > 0) / len(rewards)
+        ok = [1.0 if r is not None and r > 0 else 0.0 for r in rewards]
+        out[name] = sum(ok) / len(ok)
+        if per_prompt is not None:
+            ends = list(accumulate(len(g) for g in groups))
+            per_prompt[name] = [sum(ok[e - len(g):e]) / len(g) if g else 0.0 for g, e in zip(groups, ends, strict=True)]
     return out

@@ -200,3 +200,18 @@ def test_untie_drops_tensors_that_share_storage() -> None:
     emb = torch.randn(5, 3)
     state = {"embed.weight": emb, "lm_head.weight": emb, "norm.weight": torch.ones(3), "view": emb[1:]}
     assert list(untie(state)) == ["embed.weight", "norm.weight", "view"]  # a different offset is a different tensor
+
+
+def test_evaluate_per_prompt_accuracies_average_to_the_totals() -> None:
+    from forkrl.training.scoring import evaluate
+
+    problems = make_split(DEFAULT_TASK, "eval", 3, seed=0)
+    # T=1 (call 0, 4 samples): prompt i has i + 1 right samples; greedy (call 1): only prompt 1 is right
+    rollouts = ScriptedRollouts(lambda c, i, j: j <= i if c == 0 else i == 1)
+    per_prompt: dict[str, list[float]] = {}
+    out = evaluate(rollouts, exact_match, problems, _cfg(), per_prompt=per_prompt)
+    assert per_prompt == {"eval_accuracy": [0.25, 0.5, 0.75], "eval_greedy_accuracy": [0.0, 1.0, 0.0]}
+    assert out == {"eval_accuracy": 6 / 12, "eval_greedy_accuracy": 1 / 3}
+    assert rollouts.calls == [(3, run_seed("eval", 5)), (3, run_seed("eval", 5))]
+    assert evaluate(ScriptedRollouts(lambda c, i, j: True), exact_match, problems, _cfg()) == {
+        "eval_accuracy": 1.0, "eval_greedy_accuracy": 1.0}  # without per_prompt: the totals only
