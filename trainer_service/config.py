@@ -44,6 +44,10 @@ class TrainerSettings(TokenSettings):
     """torch threads for the training forward/backward."""
     device: str = "auto"
     """torch device for training: auto (cuda if present), cpu, cuda."""
+    rollout_wait_s: float = Field(300.0, gt=0)
+    """After a rollout fault (UNAVAILABLE, a restarted service): how long a run waits for the rollout service(s)
+    to be SERVING again before it pushes its weights again and redoes the step; past it the run fails (with a
+    checkpoint of its last trained step)."""
     grace_s: float = Field(10.0, ge=0)
     """SIGTERM: seconds to let in-flight RPCs finish."""
     tensorboard: bool = True

@@ -46,6 +46,19 @@ class MetricsSink:
                     self.writer.add_scalar(f"{kind}/{k}", v, step)
             self.writer.flush()
 
+    def drop_after(self, step: int) -> int:
+        """Remove the lines of steps after `step` (a resume from its checkpoint runs them again, so each step
+        keeps one line); returns how many were removed."""
+        if not self.path.is_file():
+            return 0
+        lines = self.path.read_text().splitlines(keepends=True)
+        keep = [ln for ln in lines if not ln.strip() or json.loads(ln).get("step", 0) <= step]
+        if len(keep) != len(lines):
+            from forkrl.files import atomic_write
+
+            atomic_write(self.path, "".join(keep).encode())
+        return len(lines) - len(keep)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
