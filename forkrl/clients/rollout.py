@@ -35,10 +35,13 @@ _MAX_MESSAGE = 64 << 20
 
 class RolloutClient:
     def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 5,
-                 token: str | None = None) -> None:
+                 token: str | None = None, wait_for_ready: bool = True) -> None:
         """`timeout_s` is the default deadline of Generate and weight calls (info: 30 s). `token`: the
-        services' bearer token (None: FORKRL_TOKEN / FORKRL_TOKEN_FILE of the environment; "": none)."""
+        services' bearer token (None: FORKRL_TOKEN / FORKRL_TOKEN_FILE of the environment; "": none).
+        `wait_for_ready`: a call to an unreachable service waits (up to its deadline) for it to come up; False:
+        it fails UNAVAILABLE at once (then retried as any UNAVAILABLE; the trainer waits for health itself)."""
         self.address = address
+        self.wait_for_ready = wait_for_ready
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self._channel = grpc_channel(
@@ -125,7 +128,8 @@ class RolloutClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         for attempt in range(self.max_retries + 1):
-            call = self._stub.Generate(req, timeout=max(deadline - time.monotonic(), 0.001), wait_for_ready=True)
+            call = self._stub.Generate(req, timeout=max(deadline - time.monotonic(), 0.001),
+                                       wait_for_ready=self.wait_for_ready)
             got_any = False
             try:
                 for resp in call:
@@ -169,7 +173,7 @@ class RolloutClient:
                 for chunk in packed.chunks:
                     yield pb.UpdateWeightsRequest(chunk=chunk)
 
-            return self._stub.UpdateWeights(messages(), timeout=left, wait_for_ready=True)
+            return self._stub.UpdateWeights(messages(), timeout=left, wait_for_ready=self.wait_for_ready)
 
         return self._applied(lambda: self._retry(call, self.timeout_s if timeout_s is None else timeout_s), version)
 
@@ -191,7 +195,7 @@ class RolloutClient:
         """Make the service load `path` (a checkpoint dir it can read); returns the new version."""
         req = pb.LoadWeightsRequest(path=str(path), target_version=version, run_id=run_id)
         return self._applied(lambda: self._retry(
-            lambda left: self._stub.LoadWeights(req, timeout=left, wait_for_ready=True),
+            lambda left: self._stub.LoadWeights(req, timeout=left, wait_for_ready=self.wait_for_ready),
             self.timeout_s if timeout_s is None else timeout_s,
         ), version)
 
@@ -199,10 +203,12 @@ class RolloutClient:
         """Give up the rollout's lease (`run_id`: the run that ended; `force`: the operator's reset, whoever holds
         it). Returns the run that held it ("" = none)."""
         req = pb.ReleaseLeaseRequest(run_id=run_id, force=force)
-        return self._retry(lambda left: self._stub.ReleaseLease(req, timeout=left, wait_for_ready=True),
-                           timeout_s).released_run_id
+        return self._retry(
+            lambda left: self._stub.ReleaseLease(req, timeout=left, wait_for_ready=self.wait_for_ready), timeout_s
+        ).released_run_id
 
     def info(self, *, timeout_s: float = 30.0) -> pb.GetInfoResponse:
         return self._retry(
-            lambda left: self._stub.GetInfo(pb.GetInfoRequest(), timeout=left, wait_for_ready=True), timeout_s
+            lambda left: self._stub.GetInfo(pb.GetInfoRequest(), timeout=left, wait_for_ready=self.wait_for_ready),
+            timeout_s
         )

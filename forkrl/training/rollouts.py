@@ -39,7 +39,8 @@ class Rollouts:
     def __init__(self, addresses: list[str], token: str | None = None, run_id: str = "") -> None:
         """`token`: the services' bearer token (None: from the environment, forkrl.security.load_token). `run_id`:
         sent with every push (the lease)."""
-        self.clients = [RolloutClient(a, token=token) for a in addresses]
+        # no waiting on a dead service until the deadline: the loop waits for health SERVING itself (bounded)
+        self.clients = [RolloutClient(a, token=token, wait_for_ready=False) for a in addresses]
         self.run_id = run_id
         # per service: its version -> the trainer's version of the same weights (see the module docstring)
         self.versions: list[dict[int, int]] = [{} for _ in self.clients]

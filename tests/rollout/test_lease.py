@@ -122,3 +122,32 @@ def test_a_drain_past_its_timeout_aborts_the_samples_and_swaps(model_dir: Path, 
             assert len(s.backend.reloaded) == 1 and torch.equal(s.backend.reloaded[0]["norm.weight"], W["norm.weight"])
     finally:
         s.stop()
+
+
+def test_the_trainer_side_maps_versions_and_restores_lost_weights(served, tmp_path: Path):
+    """forkrl.training.rollouts.Rollouts: trajectories carry the trainer's version of the weights that sampled
+    them, -1 for weights this run did not push; restore() pushes the current weights again where they were lost."""
+    from forkrl.training.rollouts import Rollouts
+
+    s, c = served
+    r = Rollouts([s.address], token=None, run_id="run-a")
+    try:
+        r.adopt(7)  # e.g. a resumed run: the service's version 0 is the trainer's 7
+        assert r.generate(["12"], n=2, temperature=1.0, max_new_tokens=2, seed=0)[0][0].policy_version == 7
+        r.push(W, 8, "stream", tmp_path)
+        assert c.info().version == 1 and c.info().lease_run_id == "run-a"
+        assert {t.policy_version for t in r.generate(["12"], n=2, temperature=1.0, max_new_tokens=2, seed=0)[0]} == {8}
+        assert r.lost() == []
+        # someone else's weights (an operator reset the lease and pushed): not the trainer's version 8
+        assert c.release_lease(force=True) == "run-a" and c.update_weights(MODEL, 2) == 2
+        assert {t.policy_version for t in r.generate(["12"], n=2, temperature=1.0, max_new_tokens=2, seed=0)[0]} == {-1}
+        assert r.lost() == [0]
+        assert r.restore(W, 8, "stream", tmp_path, wait_s=10) == [0]
+        assert c.info().version == 3 and torch.equal(s.backend.reloaded[-1]["norm.weight"], W["norm.weight"])
+        assert {t.policy_version for t in r.generate(["12"], n=2, temperature=1.0, max_new_tokens=2, seed=0)[0]} == {8}
+        r.release()
+        assert c.info().lease_run_id == ""
+    finally:
+        r.pool.shutdown()
+        for client in r.clients:
+            client.close()
