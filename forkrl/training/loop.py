@@ -123,6 +123,7 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
         raise
     finally:
         s.rollouts.release()
+        s.sink.close()
 
 
 def _steps(s: _Session) -> None:
@@ -196,7 +197,6 @@ def _steps(s: _Session) -> None:
     finally:
         if ahead is not None:
             ahead.close(timeout_s=600)
-        s.sink.close()
 
 
 @dataclass
