@@ -66,7 +66,8 @@ class Rollouts:
             # seeds per global prompt index: the result does not depend on how prompts are sharded
             for t in self.clients[j].generate([prompts[i] for i in idx], n=n, temperature=temperature,
                                               max_new_tokens=max_new_tokens, seed=seed, prompt_offsets=idx):
-                t.policy_version = self.versions[j].get(t.policy_version, -1)  # the trainer's numbering
+                if self.versions[j]:  # the trainer's numbering (as is before adopt(): nothing to map yet)
+                    t.policy_version = self.versions[j].get(t.policy_version, -1)
                 out.append((idx[t.prompt_index], t))
             return out
 
@@ -91,7 +92,7 @@ class Rollouts:
         out = []
         for j, c in enumerate(self.clients):
             served = c.info().version
-            if served not in self.versions[j] or served < max(self.versions[j]):
+            if self.versions[j] and (served not in self.versions[j] or served < max(self.versions[j])):
                 out.append(j)
         return out
 
