@@ -1,9 +1,11 @@
 """Probe jobs: a bounded queue, worker threads, job records, cancellation. Requests are admitted (checked
 and planned) before they get here, by `probe_service.admission`.
 
-A job's outputs go to <jobs_dir>/<id>/ (the files of `forkrl.probe.job.run_probe`) plus job.json, its final
-status. Jobs are kept in memory for the life of the process; finished ones are reloaded from job.json at
-start-up, so GET keeps working after a restart.
+A job's outputs go to <jobs_dir>/<id>/ (the files of `forkrl.probe.job.run_probe`) plus job.json, its status,
+written when the job is accepted, when it starts and when it ends. Jobs are kept in memory for the life of the
+process and reloaded from job.json at start-up, so GET keeps working after a restart. A job that was queued or
+running when the process died (kill -9, a crash, a stop) is reloaded as failed, with an error saying so: never
+silently lost. It is not requeued: the plan is not stored, and the client that submitted it decides.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ class JobManager:
             job = Job(id=job_id, plan=plan, out_dir=self.jobs_dir / job_id)
             self._jobs[job_id] = job
             self.m_submitted.inc()
+            self._persist(job)  # before it is answered 202: a restart finds it
         self._queue.put(job)
         return job
 
@@ -193,6 +196,7 @@ class JobManager:
                 if job.state != "queued":  # cancelled while waiting
                     continue
                 job.state, job.started_at, job.stage = "running", time.time(), "starting"
+                self._persist(job)
             self._run(job)
 
     def _run(self, job: Job) -> None:
@@ -224,12 +228,16 @@ class JobManager:
         job.state, job.stage, job.error, job.finished_at = state, stage, error, time.time()
         if job.started_at is not None:
             self.m_seconds.labels(state).observe(job.finished_at - job.started_at)
+        self._persist(job)
+        job.finished_event.set()
+
+    @staticmethod
+    def _persist(job: Job) -> None:
         try:
             job.out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(job.out_dir / "job.json", job.status_dict())
         except OSError:
             log.exception("cannot write job.json for %s", job.id)
-        job.finished_event.set()
 
     def _load_finished(self) -> None:
         for f in sorted(self.jobs_dir.glob("*/job.json")):
@@ -250,6 +258,12 @@ class JobManager:
                 )
                 if job.state == "done" and (f.parent / "summary.json").is_file():
                     job.summary = json.loads((f.parent / "summary.json").read_text())
+                if job.state not in FINAL:  # the process died with it queued or running
+                    was = job.state
+                    job.state, job.stage, job.finished_at = "failed", "interrupted", time.time()
+                    job.error = (f"interrupted: the probe service stopped while the job was {was} (at "
+                                 f"{job.done}/{job.total}); it was not requeued, submit it again")
+                    self._persist(job)
                 job.finished_event.set()
                 self._jobs[job.id] = job
             except (OSError, ValueError, KeyError, TypeError):

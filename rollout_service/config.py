@@ -71,6 +71,12 @@ class RolloutSettings(TokenSettings):
     staging_dir: str | None = None
     """Where pushed weights are assembled as a safetensors file before the reload (default: /dev/shm
     when writable, so the engine reads them from memory; else <cache>/weights-staging)."""
+    lease_timeout_s: float = Field(900.0, gt=0)
+    """The rollout lease (the run whose pushes it accepts) expires after this many seconds without a push from
+    its run; a run releases it itself when it ends."""
+    drain_timeout_s: float = Field(300.0, ge=0)
+    """A weight swap waits at most this long for the samples in flight; then it aborts them (their Generate
+    calls end UNAVAILABLE and are sampled again) and swaps. 0 = wait without limit."""
     grace_s: float = Field(5.0, ge=0)
     """On SIGTERM: seconds in-flight RPCs get to finish before they are cancelled."""
     max_message_mib: int = Field(64, gt=4)

@@ -21,6 +21,14 @@ Swap protocols (`swap_mode`):
   every sample already submitted to the engine has finished, reloads, resets the prefix cache, bumps the
   version and reopens the gate, so every trajectory reports the one version that produced it. Health is
   NOT_SERVING from the moment the gate closes until it reopens.
+  A drain that outlasts `drain_timeout_s` aborts the samples still running (their Generate calls end with
+  UNAVAILABLE, which the trainer answers by sampling the step again) and swaps: a stuck or endless request
+  cannot hold the weights back forever.
+
+The lease: a push must be `target_version == served + 1` and come from the run that holds the rollout. The first
+run to push takes the lease; it keeps it until it releases it (its run ended) or `lease_timeout_s` pass without a
+push from it; `release_lease(force=True)` is the operator's reset. So no caller can push the version out of reach
+(2^63-1) and two runs cannot take turns overwriting each other's weights.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from rollout_service.types import (
     SamplingSpec,
     StaleVersion,
     SwapResult,
+    Unavailable,
 )
 
 log = logging.getLogger("rollout_service")
@@ -67,6 +76,8 @@ class RolloutEngine:
         staging_dir: str | Path | None = None,
         on_serving: Callable[[bool], Awaitable[None]] | None = None,
         swap_mode: str = "inplace",
+        lease_timeout_s: float = 900.0,
+        drain_timeout_s: float | None = None,
     ) -> None:
         if swap_mode not in SWAP_MODES:
             raise ValueError(f"swap_mode must be one of {SWAP_MODES}, got {swap_mode!r}")
@@ -81,6 +92,12 @@ class RolloutEngine:
         self._gate = SwapGate()
         self._apply_lock = asyncio.Lock()
         self._broken: str | None = None  # set when a reload failed half-way
+        self.lease_timeout_s = lease_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self._lease = ""  # the run holding the rollout ("" = none)
+        self._lease_until = 0.0  # time.monotonic() when it expires
+        self._running: dict[str, asyncio.Task[Completion]] = {}  # every engine request in flight
+        self._swap_aborted: set[str] = set()  # requests aborted by a drain timeout
         self.specs = read_checkpoint_specs(backend.model)
         tied = bool(backend.engine_settings.get("tie_word_embeddings"))
         # HF state dicts of tied models carry lm_head.weight; checkpoints (and vLLM) do not.
@@ -190,7 +207,7 @@ class RolloutEngine:
                 seed = None if spec.seed is None else sample_seed(spec.seed, offsets[i], j)
                 task = asyncio.create_task(self.backend.generate_one(rid, ids, spec, seed))
                 task.add_done_callback(lambda t, i=i, j=j, rid=rid: on_done(t, i, j, rid))
-                pending[rid] = task
+                pending[rid] = self._running[rid] = task
         try:
             left = total
             while left:
@@ -200,6 +217,10 @@ class RolloutEngine:
                 batch = []
                 for i, j, rid, task, last_version in ready:
                     del pending[rid]
+                    self._running.pop(rid, None)
+                    if rid in self._swap_aborted:
+                        raise Unavailable(f"sample {rid} was aborted: a weight swap waited drain_timeout_s "
+                                          f"{self.drain_timeout_s:g} s for it; sample again")
                     c = task.result()  # an engine error ends the call; `finally` aborts the rest
                     if self._broken:  # an in-place reload failed while this sample ran: its weights are unknown
                         raise FailedPrecondition(self._broken)
@@ -211,6 +232,10 @@ class RolloutEngine:
                 left -= len(batch)
                 yield batch
         finally:
+            for rid in pending:
+                self._running.pop(rid, None)
+            self._swap_aborted.difference_update(f"{base}-{i}-{j}" for i in range(len(prompt_ids))
+                                                 for j in range(spec.n))
             if pending:
                 self.counters.aborted_requests += len(pending)
                 for t in pending.values():
@@ -226,6 +251,40 @@ class RolloutEngine:
             raise StaleVersion(
                 f"target_version must be greater than the served version {self.version}, got {target_version}"
             )
+        if target_version != self.version + 1:
+            raise FailedPrecondition(
+                f"target_version must be the served version + 1 = {self.version + 1}, got {target_version}"
+            )
+
+    def lease(self) -> tuple[str, float]:
+        """(the run holding the lease or "", seconds until it expires); an expired lease is dropped here."""
+        left = self._lease_until - time.monotonic()
+        if self._lease and left <= 0:
+            log.info("the lease of run %s expired (no push for %.0f s)", self._lease, self.lease_timeout_s)
+            self._lease = ""
+        return self._lease, max(left, 0.0) if self._lease else 0.0
+
+    def _check_push(self, run_id: str, target_version: int) -> None:
+        holder, left = self.lease()
+        if holder and run_id != holder:
+            who = f"run {run_id!r}" if run_id else "a push without run_id"
+            raise FailedPrecondition(
+                f"the rollout is leased to run {holder!r} (for {left:.0f} s more unless it pushes again); {who} "
+                "is refused. The lease ends when that run ends; an operator can reset it with "
+                "`python -m rollout_service.admin reset-lease --address HOST:PORT`"
+            )
+        self._check_version(target_version)
+
+    def release_lease(self, run_id: str, force: bool = False) -> str:
+        """Give up the lease: its holder (`run_id`), or anyone with `force` (the operator's reset). Returns the run
+        that held it ("" = none)."""
+        holder, _ = self.lease()
+        if holder and not force and run_id != holder:
+            raise FailedPrecondition(f"the lease is held by run {holder!r}, not {run_id!r}; force resets it")
+        if holder:
+            log.info("lease of run %s released%s", holder, " (operator reset)" if force else "")
+        self._lease, self._lease_until = "", 0.0
+        return holder
 
     def _check_metas(self, metas: Sequence[TensorMeta], total_bytes: int) -> None:
         try:
@@ -240,27 +299,28 @@ class RolloutEngine:
         total_bytes: int,
         sha256: str,
         chunks: AsyncIterator[bytes],
+        run_id: str = "",
     ) -> SwapResult:
         """Receive a pushed state dict into a staging safetensors file, verify it, then swap.
 
         Everything is checked before the engine is touched; any failure (including the caller's stream
         being cancelled) leaves the served weights and version as they were."""
         try:
-            self._check_version(target_version)
+            self._check_push(run_id, target_version)
             self._check_metas(metas, total_bytes)
             async with staged_weights(self.staging_dir, target_version, metas, total_bytes, sha256, chunks) as staged:
                 # the swap owns the file from here: the reload may outlive this call (a cancelled push)
-                result = await self._swap(str(staged.path), target_version, staged=staged.hand_over())
+                result = await self._swap(str(staged.path), target_version, run_id, staged=staged.hand_over())
             result.receive_s, result.bytes_received = staged.receive_s, staged.bytes_received
             return result
         except BaseException:
             self.counters.rejected_weight_updates += 1
             raise
 
-    async def load_weights(self, path: str, target_version: int) -> SwapResult:
+    async def load_weights(self, path: str, target_version: int, run_id: str = "") -> SwapResult:
         """Swap in the weights of a checkpoint directory (or one .safetensors file) after checking it."""
         try:
-            self._check_version(target_version)
+            self._check_push(run_id, target_version)
             if not path:
                 raise InvalidArgument("path is empty")
             p = Path(path)
@@ -281,16 +341,18 @@ class RolloutEngine:
                                field=f"checkpoint {path!r}")
             except WeightsError as e:
                 raise InvalidArgument(str(e)) from None
-            return await self._swap(str(p), target_version)
+            return await self._swap(str(p), target_version, run_id)
         except BaseException:
             self.counters.rejected_weight_updates += 1
             raise
 
-    async def _swap(self, path: str, target_version: int, staged: Path | None = None) -> SwapResult:
+    async def _swap(self, path: str, target_version: int, run_id: str, staged: Path | None = None) -> SwapResult:
         """Drain and reload from `path`; `staged` (a staging file) is removed once the reload is over."""
         try:
             async with self._apply_lock:
-                self._check_version(target_version)  # again: another swap may have won the race
+                self._check_push(run_id, target_version)  # again: another swap may have won the race
+                if run_id:  # taken (or renewed) before the reload: a second run waiting for the lock is refused
+                    self._lease, self._lease_until = run_id, time.monotonic() + self.lease_timeout_s
                 # The reload runs as its own task: if the caller's RPC is cancelled mid-reload (or while
                 # draining), the reload still completes and the version is committed, so version and
                 # weights never disagree. The task, not the caller, removes the staged file afterwards.
@@ -308,7 +370,10 @@ class RolloutEngine:
         t0 = time.perf_counter()
         await self._set_serving(False)
         try:
-            async with self._gate.closed():
+            async with self._gate.closed(self.drain_timeout_s) as drained:
+                if not drained:
+                    self._abort_for_swap()
+                    await self._gate.wait_drained()
                 t1 = time.perf_counter()
                 try:
                     await self.backend.reload(path)
@@ -355,6 +420,17 @@ class RolloutEngine:
         log.info("weights v%d in place (in flight kept): apply %.3f s", target_version, t1 - t0)
         return SwapResult(version=target_version, apply_s=t1 - t0, drain_s=0.0)
 
+    def _abort_for_swap(self) -> None:
+        """The drain timed out: cancel every sample still running (their calls end UNAVAILABLE) so the swap goes on."""
+        rids = list(self._running)
+        log.warning("drain_timeout_s %.1f s passed with %d samples running: aborting them for the swap",
+                    self.drain_timeout_s or 0, len(rids))
+        self._swap_aborted.update(rids)
+        self.counters.aborted_requests += len(rids)
+        for rid in rids:
+            self._running[rid].cancel()
+        asyncio.ensure_future(self.backend.abort(rids))
+
     async def _set_serving(self, serving: bool) -> None:
         if self._on_serving is not None:
             await self._on_serving(serving)
@@ -370,6 +446,7 @@ class RolloutEngine:
             "counters": counters,
             "vocab_size": self.backend.vocab_size,
             "eos_token_id": self.backend.eos_token_id,
+            "lease": self.lease(),
         }
 
 

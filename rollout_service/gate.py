@@ -41,11 +41,20 @@ class SwapGate:
         if self._active == 0:
             self._drained.set()
 
+    async def wait_drained(self) -> None:
+        await self._drained.wait()
+
     @contextlib.asynccontextmanager
-    async def closed(self) -> AsyncIterator[None]:
+    async def closed(self, timeout_s: float | None = None) -> AsyncIterator[bool]:
+        """Close the gate and wait for zero samples inside, at most `timeout_s` (None: no limit); yields whether
+        it drained (False: the caller must end the samples still inside, then `wait_drained`)."""
         self._open.clear()
         try:
-            await self._drained.wait()
-            yield
+            try:
+                await asyncio.wait_for(self._drained.wait(), timeout_s)
+                drained = True
+            except asyncio.TimeoutError:
+                drained = False
+            yield drained
         finally:
             self._open.set()

@@ -148,6 +148,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             staging_dir=self.settings.staging_dir,
             on_serving=self.set_serving,
             swap_mode=self.settings.swap_mode,
+            lease_timeout_s=self.settings.lease_timeout_s,
+            drain_timeout_s=self.settings.drain_timeout_s or None,
         )
         await self.set_serving(True)
 
@@ -199,7 +201,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     received += len(msg.chunk)
                     yield msg.chunk
 
-            r = await engine.update_weights(h.target_version, metas, h.total_bytes, h.sha256, chunks())
+            r = await engine.update_weights(h.target_version, metas, h.total_bytes, h.sha256, chunks(), h.run_id)
             return pb.UpdateWeightsResponse(
                 version=r.version, receive_s=r.receive_s, apply_s=r.apply_s,
                 bytes_received=r.bytes_received, drain_s=r.drain_s,
@@ -224,12 +226,21 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 except ValueError as e:
                     engine.counters.rejected_weight_updates += 1
                     raise InvalidArgument(str(e)) from None
-            r = await engine.load_weights(path, request.target_version)
+            r = await engine.load_weights(path, request.target_version, request.run_id)
             return pb.LoadWeightsResponse(version=r.version, apply_s=r.apply_s, drain_s=r.drain_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             await context.abort(*_status(e))
+
+    async def ReleaseLease(
+        self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseLeaseResponse:
+        try:
+            holder = self._ready().release_lease(request.run_id, request.force)
+        except Exception as e:
+            await context.abort(*_status(e))
+        return pb.ReleaseLeaseResponse(released_run_id=holder)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
         try:
@@ -250,6 +261,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             counters=pb.Counters(**info["counters"]),
             vocab_size=info["vocab_size"],
             eos_token_id=info["eos_token_id"],
+            lease_run_id=info["lease"][0],
+            lease_expires_in_s=info["lease"][1],
         )
 
 

@@ -56,6 +56,10 @@ class TrainerSettings(TokenSettings):
     """gRPC receive limit in MiB (a StartRun request is a few KiB)."""
     max_concurrent_streams: int = Field(64, ge=1)
     """gRPC: most RPCs (WatchRun streams included) one client connection may have open at once."""
+    rollout_wait_s: float = Field(300.0, gt=0)
+    """After a rollout fault (UNAVAILABLE, a restarted service): how long a run waits for the rollout service(s)
+    to be SERVING again before it pushes its weights again and redoes the step; past it the run fails (with a
+    checkpoint of its last trained step)."""
     grace_s: float = Field(10.0, ge=0)
     """SIGTERM: seconds to let in-flight RPCs finish."""
     tensorboard: bool = True

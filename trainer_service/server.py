@@ -122,7 +122,8 @@ async def _serve(settings: TrainerSettings, link: RankLink) -> int:
                                                          settings.max_concurrent_streams))
     manager = RunManager(Path(settings.runs_root),
                          lambda run: run_training(run, device=settings.device, tensorboard=settings.tensorboard,
-                                                     token=token, link=link))
+                                                     token=token, link=link,
+                                                     rollout_wait_s=settings.rollout_wait_s))
     rules = settings.rules()
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(
         TrainerServicer(manager, lambda cfg: preflight(cfg, rules)), server)

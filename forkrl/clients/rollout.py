@@ -6,6 +6,8 @@
         t.prompt_index, t.sample_index, list(t.completion_token_ids), list(t.logprobs), t.policy_version
     client.update_weights(model.state_dict(), version=1)    # -> 1
     client.load_weights("runs/x/checkpoints/step_000020", version=2)
+    client.update_weights(state, version=3, run_id="20261201-run")   # takes / keeps the rollout's lease
+    client.release_lease("20261201-run")                               # the run ended (force=True: operator)
 
 Every call carries a deadline. Only UNAVAILABLE is retried (with backoff, within the deadline); a
 Generate stream is retried only before its first trajectory arrived, so no sample is ever duplicated. A
@@ -34,10 +36,13 @@ _MAX_MESSAGE = 64 << 20
 
 class RolloutClient:
     def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 5,
-                 token: str | None = None) -> None:
+                 token: str | None = None, wait_for_ready: bool = True) -> None:
         """`timeout_s` is the default deadline of Generate and weight calls (info: 30 s). `token`: the
-        services' bearer token (None: FORKRL_TOKEN / FORKRL_TOKEN_FILE of the environment; "": none)."""
+        services' bearer token (None: FORKRL_TOKEN / FORKRL_TOKEN_FILE of the environment; "": none).
+        `wait_for_ready`: a call to an unreachable service waits (up to its deadline) for it to come up; False:
+        it fails UNAVAILABLE at once (then retried as any UNAVAILABLE; the trainer waits for health itself)."""
         self.address = address
+        self.wait_for_ready = wait_for_ready
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self._channel = grpc_channel(
@@ -124,7 +129,8 @@ class RolloutClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         for attempt in range(self.max_retries + 1):
-            call = self._stub.Generate(req, timeout=max(deadline - time.monotonic(), 0.001), wait_for_ready=True)
+            call = self._stub.Generate(req, timeout=max(deadline - time.monotonic(), 0.001),
+                                       wait_for_ready=self.wait_for_ready)
             got_any = False
             try:
                 for resp in call:
@@ -147,6 +153,7 @@ class RolloutClient:
         *,
         timeout_s: float | None = None,
         chunk_bytes: int = 4 << 20,
+        run_id: str = "",
     ) -> int:
         """Push a state dict (chunked, checksummed); returns the service's new version. The full
         response (receive/apply/drain times) is kept in `last_weights_response`."""
@@ -159,6 +166,7 @@ class RolloutClient:
                 tensors=[pb.TensorMeta(**m) for m in packed.metas],
                 total_bytes=packed.total_bytes,
                 sha256=packed.sha256,
+                run_id=run_id,
             )
 
             def messages() -> Iterator[pb.UpdateWeightsRequest]:
@@ -166,7 +174,7 @@ class RolloutClient:
                 for chunk in packed.chunks:
                     yield pb.UpdateWeightsRequest(chunk=chunk)
 
-            return self._stub.UpdateWeights(messages(), timeout=left, wait_for_ready=True)
+            return self._stub.UpdateWeights(messages(), timeout=left, wait_for_ready=self.wait_for_ready)
 
         return self._applied(lambda: self._retry(call, self.timeout_s if timeout_s is None else timeout_s), version)
 
@@ -184,15 +192,24 @@ class RolloutClient:
         self.last_weights_response = resp
         return resp.version
 
-    def load_weights(self, path: str, version: int, *, timeout_s: float | None = None) -> int:
+    def load_weights(self, path: str, version: int, *, timeout_s: float | None = None, run_id: str = "") -> int:
         """Make the service load `path` (a checkpoint dir it can read); returns the new version."""
-        req = pb.LoadWeightsRequest(path=str(path), target_version=version)
+        req = pb.LoadWeightsRequest(path=str(path), target_version=version, run_id=run_id)
         return self._applied(lambda: self._retry(
-            lambda left: self._stub.LoadWeights(req, timeout=left, wait_for_ready=True),
+            lambda left: self._stub.LoadWeights(req, timeout=left, wait_for_ready=self.wait_for_ready),
             self.timeout_s if timeout_s is None else timeout_s,
         ), version)
 
+    def release_lease(self, run_id: str = "", *, force: bool = False, timeout_s: float = 30.0) -> str:
+        """Give up the rollout's lease (`run_id`: the run that ended; `force`: the operator's reset, whoever holds
+        it). Returns the run that held it ("" = none)."""
+        req = pb.ReleaseLeaseRequest(run_id=run_id, force=force)
+        return self._retry(
+            lambda left: self._stub.ReleaseLease(req, timeout=left, wait_for_ready=self.wait_for_ready), timeout_s
+        ).released_run_id
+
     def info(self, *, timeout_s: float = 30.0) -> pb.GetInfoResponse:
         return self._retry(
-            lambda left: self._stub.GetInfo(pb.GetInfoRequest(), timeout=left, wait_for_ready=True), timeout_s
+            lambda left: self._stub.GetInfo(pb.GetInfoRequest(), timeout=left, wait_for_ready=self.wait_for_ready),
+            timeout_s
         )

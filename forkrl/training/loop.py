@@ -10,6 +10,13 @@ Determinism: the data order is a seeded permutation walked by a cursor (forkrl/d
 seed of step s is derived from (seed, s) and the rollout service derives each sample's seed from it. With the
 same weights served, a resumed run therefore sees the same trajectories as an uninterrupted one.
 
+Faults (a rollout service restarted or unreachable): a step whose sampling or push fails with UNAVAILABLE, or whose
+batch holds a trajectory not sampled by the policy the trainer pushed (a restarted service serves its initial
+weights again), waits up to `rollout_wait_s` for health SERVING, pushes the current weights again to the services
+that lost them and samples the step again (same prompts, same seeds); `foreign_batches` counts such batches. A run
+that fails anyway first writes a checkpoint of its last trained step, so `--resume` loses nothing but the step in
+progress. The run's id (kept in <run_dir>/run_id across resumes) holds the rollout lease; it is released at the end.
+
 Async (cfg.max_staleness = k >= 1, forkrl/training/pipeline.py): the batches of the next steps are sampled on a
 second thread, at most k steps ahead, while this one trains; each batch is checked against the staleness rule
 (trainer version − the trajectory's version <= k) and dropped if it breaks it. Checkpoints store the data
@@ -19,11 +26,15 @@ cursor of the last trained batch. With k = 0 the loop below is the sync loop, un
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+import grpc
 
 from forkrl.data.datasets import load_problems
 from forkrl.data.order import DataOrder
@@ -39,6 +50,13 @@ from forkrl.training.scoring import ScoredBatch, collect_batch, evaluate
 from forkrl.weights.checkpoint import checkpoint_name
 
 TRAIN_POOL = 20000  # built-in task: size of the train pool the data order walks through
+MAX_RECOVERIES = 5  # per operation (a step's sampling, a push, an evaluation): then the run fails
+log = logging.getLogger("forkrl.training")
+T = TypeVar("T")
+
+
+class ForeignBatch(Exception):
+    """A batch holds trajectories not sampled by the policy version the trainer pushed."""
 
 
 class RunHandle(Protocol):
@@ -58,43 +76,73 @@ class RunHandle(Protocol):
 
 
 def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = True,
-                 token: str | None = None, link: RankLink | None = None) -> None:
+                 token: str | None = None, link: RankLink | None = None, rollout_wait_s: float = 300.0) -> None:
     """Run `run.config` to its end. `token`: the bearer token sent to the rollout services (None: from the
     environment). `link`: the other ranks of a multi-rank trainer (forkrl/training/ranks.py); None or a
-    1-process link: this process alone."""
+    1-process link: this process alone. `rollout_wait_s`: after a rollout fault, how long to wait for the
+    services to be SERVING again before the run fails."""
     link = link or RankLink()
     cfg, run_dir = run.config, run.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2, sort_keys=True))
     link.tell("start", cfg, str(run_dir))
     try:
-        _run(run, cfg, run_dir, device, tensorboard, link, token)
+        _run(run, cfg, run_dir, device, tensorboard, link, token, rollout_wait_s)
     finally:
         link.tell("end")
 
 
+def lease_id(run_dir: Path, run_id: str, resume: bool) -> str:
+    """The run's id for the rollout lease: the first run id that used `run_dir`, kept across resumes."""
+    f = run_dir / "run_id"
+    if resume and f.is_file() and f.read_text().strip():
+        return f.read_text().strip()
+    f.write_text(run_id + "\n")
+    return run_id
+
+
 def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard: bool, link: RankLink,
-         token: str | None) -> None:
+         token: str | None, rollout_wait_s: float) -> None:
     policy = load_policy(cfg, run_dir, device)
     run.start_step = run.step = policy.start_step
+    sink = MetricsSink(run_dir, tensorboard)
+    if policy.resumed:
+        sink.drop_after(policy.start_step)  # lines of steps after the checkpoint: those steps run again
     train_problems = load_problems(cfg.task or None, cfg.dataset or None, "train", TRAIN_POOL, cfg.seed)
     eval_problems = load_problems(cfg.task or None, cfg.dataset or None, "eval", cfg.eval_prompts, cfg.seed) \
         if cfg.eval_prompts else []
     s = _Session(run, cfg, policy, DataOrder(train_problems, cfg.seed, policy.data_cursor),
-                 get_reward_fn(cfg.reward), MetricsSink(run_dir, tensorboard),
-                 Rollouts(cfg.rollout_addresses, token), eval_problems, link)
+                 get_reward_fn(cfg.reward), sink,
+                 Rollouts(cfg.rollout_addresses, token, lease_id(run_dir, run.run_id, cfg.resume)), eval_problems,
+                 link, wait_s=rollout_wait_s, trained_step=policy.start_step, saved_step=policy.start_step,
+                 trained_cursor_at=policy.data_cursor)
+    try:
+        _steps(s)
+    except Exception:
+        s.save_on_failure()
+        raise
+    finally:
+        s.rollouts.release()  # the lease, for the next run
+        s.rollouts.close()  # and the shared-memory weights file of --weight-sync auto/shm
+        s.sink.close()
+
+
+def _steps(s: _Session) -> None:
+    run, cfg, policy, link = s.run, s.cfg, s.policy, s.link
     loss_cfg = cfg.loss_config()
     run.event("LOG", f"waiting for rollout service(s) {', '.join(cfg.rollout_addresses)}")
     s.rollouts.wait_ready()
     s.version = s.rollouts.version()
+    s.rollouts.adopt(s.version)
     # The rollout must serve exactly the policy we train: on resume, or when it serves anything but our
     # initial checkpoint (another model, another run's weights), push ours first.
     if policy.resumed or not s.rollouts.serve_initial(cfg.model):
-        s.push()
+        s.version += 1
+        s.resilient("the first push", s.push_current)
     ranks = f" x {link.world_size} ranks (FSDP2)" if link.active else ""
     run.event("STARTED", f"run {run.run_id} on {policy.device}{ranks}: loss {cfg.loss}, entropy_top_frac "
-              f"{cfg.entropy_top_frac}, {len(train_problems)} train / {len(eval_problems)} eval prompts, "
-              f"from step {policy.start_step}", path=str(run_dir))
+              f"{cfg.entropy_top_frac}, {len(s.data.problems)} train / {len(s.eval_problems)} eval prompts, "
+              f"from step {policy.start_step}", path=str(run.run_dir))
     step = policy.start_step
     if step == 0:
         s.evaluate(0)
@@ -107,11 +155,12 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
             t_step = time.perf_counter()
             lr = policy.set_lr(step)
             if ahead is None:
-                scored = collect_batch(s.rollouts, s.data, s.reward_fn, cfg, step)  # + DAPO dynamic sampling
+                scored = s.resilient(f"sampling step {step}", lambda step=step: s.collect(step))
             else:
                 scored, s.cursor = ahead.get(step)
             metrics = scored.metrics()
-            metrics.update(time_generate_s=scored.time_generate_s, time_score_s=scored.time_score_s, lr=lr)
+            metrics.update(time_generate_s=scored.time_generate_s, time_score_s=scored.time_score_s, lr=lr,
+                           foreign_batches=float(s.foreign_batches), rollout_recoveries=float(s.recoveries))
             if ahead is not None:
                 metrics.update(s.check_staleness(scored, step), time_wait_s=time.perf_counter() - t_step)
             if not scored.groups:
@@ -124,12 +173,14 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
             t0 = time.perf_counter()
             link.tell("update", step, UpdatePayload.of(scored))  # the other ranks train on their shares
             metrics.update(policy.update(scored, loss_cfg))  # advantages, masked loss, AdamW
+            s.trained(step, metrics)
             t_train = time.perf_counter() - t0
             if policy.device.type == "cuda":  # rank 0's peak since the process started (scripts/gpu_check.sh)
                 import torch
 
                 metrics["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(policy.device) / 2**30
-            t_push = s.push()  # the rollout serves the new policy before the next step samples
+            s.version += 1
+            t_push = s.resilient(f"the push after step {step}", s.push_current)  # served before the next step samples
             if ahead is not None:
                 ahead.done(step)  # sampling may move on to step + 1 + max_staleness
             metrics.update(s.rollouts.last_swap)  # the rollout's drain + apply: how long generation stalled
@@ -137,6 +188,7 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
                            time_step_s=time.perf_counter() - t_step, data_cursor=float(s.trained_cursor),
                            tokens_per_s=scored.response_tokens / max(scored.time_generate_s, 1e-9))
             s.report(step, metrics)
+            s.pending = None
             if cfg.save_every and step % cfg.save_every == 0:
                 s.checkpoint(step, checkpoint_name(step))
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_steps:
@@ -150,8 +202,6 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
     finally:
         if ahead is not None:
             ahead.close(timeout_s=600)
-        s.rollouts.close()  # and the shared-memory weights file of --weight-sync auto/shm
-        s.sink.close()
 
 
 @dataclass
@@ -170,6 +220,13 @@ class _Session:
     version: int = 0
     cursor: int | None = None  # async: the data cursor after the last batch taken (the sampler draws ahead)
     stale_dropped: int = 0  # async: batches dropped for breaking the staleness bound
+    wait_s: float = 300.0  # after a rollout fault: longest wait for health SERVING
+    foreign_batches: int = 0  # batches sampled again because a trajectory came from another policy version
+    recoveries: int = 0  # rollout faults recovered from (waited for health, pushed again, redid the operation)
+    trained_step: int = 0  # the last step whose optimizer update is done
+    trained_cursor_at: int = 0  # the data cursor of that step's batch
+    saved_step: int = 0  # the step of the last checkpoint written
+    pending: tuple[int, dict[str, float]] | None = None  # a trained step whose metrics are not written yet
 
     @property
     def trained_cursor(self) -> int:
@@ -195,12 +252,62 @@ class _Session:
         out["stale_batches_dropped"] = float(self.stale_dropped)
         return out
 
+    def collect(self, step: int) -> ScoredBatch:
+        """The batch of `step` (sync); ForeignBatch when a trajectory is not of the pushed version. The data
+        cursor is put back on any failure, so the step is sampled again from the same prompts."""
+        cursor = self.data.cursor
+        try:
+            scored = collect_batch(self.rollouts, self.data, self.reward_fn, self.cfg, step)  # + dynamic sampling
+            foreign = sum(t.policy_version != self.version for t in scored.trajectories)
+            if foreign:
+                self.foreign_batches += 1
+                raise ForeignBatch(f"{foreign} of {len(scored.trajectories)} trajectories were not sampled by the "
+                                   f"pushed policy version {self.version}")
+            return scored
+        except BaseException:
+            self.data.cursor = cursor
+            raise
+
+    def resilient(self, what: str, fn: Callable[[], T]) -> T:
+        """fn(), and after a rollout fault (UNAVAILABLE, a version the service no longer serves, a foreign batch):
+        wait for health, push the current weights again where they were lost, and run fn() again."""
+        for attempt in range(MAX_RECOVERIES + 1):
+            try:
+                return fn()
+            except (grpc.RpcError, ForeignBatch) as e:
+                if attempt == MAX_RECOVERIES or not _rollout_fault(e):
+                    raise
+                why = str(e) if isinstance(e, ForeignBatch) else f"{e.code().name}: {e.details()}"
+                self.run.event("LOG", f"{what}: {why}; waiting up to {self.wait_s:.0f} s for the rollout "
+                               "service(s), then pushing the weights again")
+                t0 = time.perf_counter()
+                lost = self.rollouts.restore(self.full_state(), self.version, self.cfg.weight_sync,
+                                             self.run.run_dir, self.wait_s)
+                self.recoveries += 1
+                self.run.event("LOG", f"{what}: rollout service(s) {lost} given version {self.version} again after "
+                               f"{time.perf_counter() - t0:.1f} s; redoing it")
+        raise AssertionError("unreachable")
+
+    def trained(self, step: int, metrics: dict[str, float]) -> None:
+        self.trained_step, self.trained_cursor_at, self.pending = step, self.trained_cursor, (step, metrics)
+
+    def save_on_failure(self) -> None:
+        """The run is failing: write its last trained step's metrics and a checkpoint of it, unless saved."""
+        if self.trained_step <= self.saved_step:
+            return
+        try:
+            if self.pending is not None:
+                self.report(*self.pending)
+            self.checkpoint(self.trained_step, checkpoint_name(self.trained_step), self.trained_cursor_at)
+        except Exception:  # the original error matters more
+            log.exception("the checkpoint of step %d after the failure could not be written", self.trained_step)
+
     def full_state(self) -> dict:
         self.link.tell("state")  # every rank joins the gather of a sharded model
         return self.policy.full_state()
 
-    def push(self) -> float:
-        self.version += 1
+    def push_current(self) -> float:
+        """Push the current weights as `version` to every service (logs the route of each when it changes)."""
         before = self.rollouts.routes
         elapsed = self.rollouts.push(self.full_state(), self.version, self.cfg.weight_sync, self.run.run_dir)
         if self.rollouts.routes != before:
@@ -218,15 +325,28 @@ class _Session:
             return
         t0 = time.perf_counter()
         per_prompt: dict[str, list[float]] = {}
-        res = evaluate(self.rollouts, self.reward_fn, self.eval_problems, self.cfg, per_prompt=per_prompt)
+        res = self.resilient(f"the evaluation at step {step}",
+                             lambda: evaluate(self.rollouts, self.reward_fn, self.eval_problems, self.cfg,
+                                              per_prompt=per_prompt))
         res["time_eval_s"] = time.perf_counter() - t0
         self.sink.write(step, res, kind="eval")
         self.sink.write_eval_prompts(step, per_prompt)
         self.run.event("EVAL", f"eval on {len(self.eval_problems)} prompts", step=step, values=res)
 
-    def checkpoint(self, step: int, name: str) -> None:
+    def checkpoint(self, step: int, name: str, cursor: int | None = None) -> None:
         self.link.tell("checkpoint", str(self.run.run_dir), name)  # every rank writes its optimizer shards
         path = self.policy.save(self.run.run_dir, name, {
-            "step": step, "data_cursor": self.trained_cursor, "run_id": self.run.run_id,
-            "config": self.cfg.model_dump(), "policy_version": self.version})
+            "step": step, "data_cursor": self.trained_cursor if cursor is None else cursor,
+            "run_id": self.run.run_id, "config": self.cfg.model_dump(), "policy_version": self.version})
+        self.saved_step = max(self.saved_step, step)
         self.run.event("CHECKPOINT", f"saved {name}", step=step, path=str(path))
+
+
+def _rollout_fault(e: BaseException) -> bool:
+    """A fault of the rollout service(s) that waiting and pushing again can mend."""
+    if isinstance(e, ForeignBatch):
+        return True
+    code = e.code() if isinstance(e, grpc.RpcError) else None
+    # FAILED_PRECONDITION "served version + 1": the service restarted between reading its version and the push
+    return code == grpc.StatusCode.UNAVAILABLE or (
+        code == grpc.StatusCode.FAILED_PRECONDITION and "served version + 1" in (e.details() or ""))

@@ -56,6 +56,23 @@ class MetricsSink:
             with open(self.path.with_name(EVAL_PROMPTS_FILE), "a") as f:
                 f.write(json.dumps({"step": step, **per_prompt}, sort_keys=True) + "\n")
 
+    def drop_after(self, step: int) -> int:
+        """Remove the lines of steps after `step` from metrics.jsonl and eval_prompts.jsonl (a resume from its
+        checkpoint runs them again, so each step keeps one line); returns how many metrics lines were removed."""
+        from forkrl.files import atomic_write
+
+        removed = 0
+        for path in (self.path, self.path.with_name(EVAL_PROMPTS_FILE)):
+            if not path.is_file():
+                continue
+            lines = path.read_text().splitlines(keepends=True)
+            keep = [ln for ln in lines if not ln.strip() or json.loads(ln).get("step", 0) <= step]
+            if len(keep) != len(lines):
+                atomic_write(path, "".join(keep).encode())
+            if path == self.path:
+                removed = len(lines) - len(keep)
+        return removed
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -1,9 +1,13 @@
 """The trainer's side of the rollout services: prompts spread over one or more of them, weights pushed to all.
 
-    rollouts = Rollouts(["127.0.0.1:50051", "127.0.0.1:50061"])
+    rollouts = Rollouts(["127.0.0.1:50051", "127.0.0.1:50061"], run_id="20261201-...")
     rollouts.wait_ready()
+    rollouts.adopt(version=0)              # the trainer's version of what every service serves now
     groups = rollouts.generate(prompts, n=8, temperature=1.0, max_new_tokens=32, seed=run_seed("gen", 0, 1, 0))
-    rollouts.push(model, version=1, mode="stream", run_dir=run_dir)     # every service reports version 1
+    rollouts.push(model, version=1, mode="auto", run_dir=run_dir)       # every service serves version 1
+    rollouts.restore(model, version=1, ...)   # after a rollout restart: wait for health, push the weights again
+    rollouts.release()                        # the run ended: give up the rollout lease
+    rollouts.close()                          # and the shared-memory weights file
 
 Sampling seeds follow the global prompt index (`prompt_offsets`), so the trajectories do not depend on how many
 services share the prompts. A push goes to every service in parallel (one thread each), by one of the
@@ -17,6 +21,12 @@ services share the prompts. A push goes to every service in parallel (one thread
   user) gets the same version streamed at once and is streamed to from then on, as does every service when
   the file cannot be written (the sync dir belongs to another user, shared memory is full). The route of each service
   is logged when it is chosen or changes, and counted in the step metrics (push_shm_services).
+
+Versions: each service numbers the weights it serves itself (a push must be its served version + 1, and a
+restarted service starts again at 0), the trainer numbers its policies. `Rollouts` maps one to the other per
+service: every trajectory returned carries the *trainer's* version of the weights that sampled it, or -1 when
+the service's version is none this run pushed there (a restarted service serving its initial weights again, or
+weights someone else pushed). Pushes carry the run id, which takes the services' lease (rollout_service/engine.py).
 """
 
 from __future__ import annotations
@@ -45,9 +55,14 @@ _NOT_COLOCATED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)
 class Rollouts:
     """Spreads prompts over one or more rollout services and pushes weights to all of them."""
 
-    def __init__(self, addresses: list[str], token: str | None = None) -> None:
-        """`token`: the services' bearer token (None: from the environment, forkrl.security.load_token)."""
-        self.clients = [RolloutClient(a, token=token) for a in addresses]
+    def __init__(self, addresses: list[str], token: str | None = None, run_id: str = "") -> None:
+        """`token`: the services' bearer token (None: from the environment, forkrl.security.load_token). `run_id`:
+        sent with every push (the lease)."""
+        # no waiting on a dead service until the deadline: the loop waits for health SERVING itself (bounded)
+        self.clients = [RolloutClient(a, token=token, wait_for_ready=False) for a in addresses]
+        self.run_id = run_id
+        # per service: its version -> the trainer's version of the same weights (see the module docstring)
+        self.versions: list[dict[int, int]] = [{} for _ in self.clients]
         self.pool = ThreadPoolExecutor(max_workers=len(self.clients))
         # of the last push, the slowest service's: seconds it waited for in-flight samples (drain) and applied
         # the weights; new samples wait at its gate for drain + apply (the stall of generation per push)
@@ -73,6 +88,10 @@ class Rollouts:
             # seeds per global prompt index: the result does not depend on how prompts are sharded
             for t in self.clients[j].generate([prompts[i] for i in idx], n=n, temperature=temperature,
                                               max_new_tokens=max_new_tokens, seed=seed, prompt_offsets=idx):
+                if self.versions[j]:  # the trainer's numbering (as is before adopt(): nothing to map yet)
+                    t.policy_version = self.versions[j].get(t.policy_version, -1)
+                    if t.last_policy_version >= 0:
+                        t.last_policy_version = self.versions[j].get(t.last_policy_version, -1)
                 out.append((idx[t.prompt_index], t))
             return out
 
@@ -87,6 +106,37 @@ class Rollouts:
 
     def version(self) -> int:
         return max(c.info().version for c in self.clients)
+
+    def adopt(self, version: int) -> None:
+        """What every service serves now is the trainer's `version` (at the start of a run)."""
+        self.versions = [{c.info().version: version} for c in self.clients]
+
+    def lost(self) -> list[int]:
+        """Indices of the services that no longer serve the weights this run last pushed there (restarted)."""
+        out = []
+        for j, c in enumerate(self.clients):
+            served = c.info().version
+            if self.versions[j] and (served not in self.versions[j] or served < max(self.versions[j])):
+                out.append(j)
+        return out
+
+    def restore(self, model: torch.nn.Module | dict[str, torch.Tensor], version: int, mode: WeightSync,
+                run_dir: Path, wait_s: float) -> list[int]:
+        """After a fault (UNAVAILABLE, a foreign sample): wait up to `wait_s` for every service to be SERVING, then
+        push `version` again to those that lost it. Returns their indices."""
+        self.wait_ready(wait_s)
+        lost = self.lost()
+        if lost:
+            self.push(model, version, mode, run_dir, only=lost)
+        return lost
+
+    def release(self) -> None:
+        """Give up the lease on every service (the run ended); a service that is gone is skipped."""
+        for c in self.clients:
+            try:
+                c.release_lease(self.run_id, timeout_s=5.0)
+            except Exception:  # noqa: BLE001 - best effort: the lease expires by itself
+                pass
 
     def serve_initial(self, model_dir: str) -> bool:
         """True when every service still serves the checkpoint it started with and that is `model_dir`."""
@@ -109,18 +159,19 @@ class Rollouts:
                 for i, c in enumerate(self.clients)]
 
     def push(self, model: torch.nn.Module | dict[str, torch.Tensor], version: int, mode: WeightSync,
-             run_dir: Path) -> float:
-        """Send the weights (a model, or its full state dict) as `version` to every service in parallel;
-        returns the seconds it took."""
+             run_dir: Path, only: list[int] | None = None) -> float:
+        """Send the weights (a model, or its full state dict) as the trainer's `version` to every service (or those
+        in `only`) in parallel, each as its served version + 1; returns the seconds it took."""
         items = model.items() if isinstance(model, dict) else model.state_dict().items()
         state = {k: v.detach() for k, v in items}
         t0 = time.perf_counter()
+        which = list(range(len(self.clients))) if only is None else only
         routes = self.choose_routes(mode)
         if routes != self.routes:
             log.info("weight sync (%s): %s", mode,
                      ", ".join(f"{c.address} {r}" for c, r in zip(self.clients, routes, strict=True)))
         file: str = ""
-        if "path" in routes:
+        if any(routes[j] == "path" for j in which):
             from safetensors.torch import save
 
             sync = run_dir / "weights_sync"
@@ -128,7 +179,7 @@ class Rollouts:
             blob = save({k: v.contiguous() for k, v in untie(state).items()})
             atomic_write(sync / "model.safetensors", blob)
             file = str(sync)
-        elif "shm" in routes:
+        elif any(routes[j] == "shm" for j in which):
             sync_dir = default_sync_dir()
             if sync_dir is None:
                 raise RuntimeError("--weight-sync shm needs a writable /dev/shm or FORKRL_SYNC_DIR")
@@ -146,33 +197,40 @@ class Rollouts:
                 self._no_shm.update(i for i, r in enumerate(routes) if r == "shm")
                 routes = ["stream"] * len(routes)
 
-        def one(i: int) -> int:
-            c = self.clients[i]
-            if routes[i] == "stream":
-                return c.update_weights(state, version)
+        def send(c: RolloutClient, route: str, target: int) -> int:
+            if route == "stream":
+                return c.update_weights(state, target, run_id=self.run_id)
+            return c.load_weights(file, target, run_id=self.run_id)
+
+        def one(j: int) -> None:
+            c = self.clients[j]
+            target = c.info().version + 1  # the service's own numbering (module docstring)
             try:
-                return c.load_weights(file, version)
+                got = send(c, routes[j], target)
             except grpc.RpcError as e:
-                if mode != "auto" or e.code() not in _NOT_COLOCATED:
+                if routes[j] != "shm" or mode != "auto" or e.code() not in _NOT_COLOCATED:
                     raise
                 log.info("weight sync: %s does not see %s (%s): streaming to it from now on", c.address, file,
                          e.code().name)
-                self._no_shm.add(i)
-                routes[i] = "stream"
-                return c.update_weights(state, version)
+                self._no_shm.add(j)
+                routes[j] = "stream"
+                got = send(c, "stream", target)
+            if got != target:
+                raise RuntimeError(f"rollout service {c.address} reports version {got} after a push of {target}")
+            if target == 1 or target - 1 not in self.versions[j]:
+                self.versions[j] = {}  # a restarted service: its old numbers now name other weights
+            self.versions[j][target] = version
 
         try:
-            versions = list(self.pool.map(one, range(len(self.clients))))
+            list(self.pool.map(one, which))
         except BaseException:
             if self._shm is not None:  # a reload may still read it: never rewrite those pages
                 self._shm.discard()
                 self._shm = None
             raise
-        if any(v != version for v in versions):
-            raise RuntimeError(f"rollout services report versions {versions} after pushing version {version}")
         elapsed = time.perf_counter() - t0
         self.routes = routes
-        resps = [c.last_weights_response for c in self.clients]
+        resps = [self.clients[j].last_weights_response for j in which]
         self.last_swap = {"swap_drain_s": max((r.drain_s for r in resps if r is not None), default=0.0),
                           "swap_apply_s": max((r.apply_s for r in resps if r is not None), default=0.0),
                           "push_shm_services": float(routes.count("shm"))}

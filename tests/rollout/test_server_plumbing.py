@@ -118,9 +118,10 @@ class ServerThread:
     """The real grpc.aio server on its own event loop in a thread. The engine starts when `load_gate` is
     set (at once unless `hold_load`)."""
 
-    def __init__(self, model_dir: Path, staging_dir: Path, hold_load: bool = False, swap_mode: str = "drain") -> None:
+    def __init__(self, model_dir: Path, staging_dir: Path, hold_load: bool = False, swap_mode: str = "drain",
+                 **settings: Any) -> None:
         self.settings = RolloutSettings(model=str(model_dir), port=0, staging_dir=str(staging_dir),
-                                        allowed_roots=[tempfile.gettempdir()], swap_mode=swap_mode)
+                                        allowed_roots=[tempfile.gettempdir()], swap_mode=swap_mode, **settings)
         self.staging_dir = staging_dir
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

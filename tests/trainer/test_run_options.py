@@ -219,13 +219,15 @@ def test_a_second_rollout_engine_synced_sharded_pushed_and_stopped(
 
         # (3) a run on both engines: prompts spread over both, every push reaches both
         before = [_info(x).counters.samples for x in (rollout_address, second)]
+        versions = [_info(x).version for x in (rollout_address, second)]
         run_dir = tmp_path / "two"
         cfg = RunConfig(model=str(tiny_model_dir), rollout_addresses=[rollout_address, second],
                         run_dir=str(run_dir), num_steps=2, prompts_per_step=8, group_size=4, eval_prompts=0)
         _, _, run = run_to_end(trainer[0], cfg)
         assert run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
         infos = [_info(x) for x in (rollout_address, second)]
-        assert infos[0].version == infos[1].version  # initial sync + 2 steps, the same versions on both
+        # initial sync + 2 steps on both (each numbers its own versions: a push is its served version + 1)
+        assert [i.version - v for i, v in zip(infos, versions, strict=True)] == [3, 3]
         assert [i.counters.samples - b for i, b in zip(infos, before, strict=True)] == [2 * 4 * 4, 2 * 4 * 4]
         assert all(m["logp_delta_max"] <= logp_ceiling for m in metric_lines(run_dir))
 

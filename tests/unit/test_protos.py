@@ -24,7 +24,8 @@ def test_contract_has_the_rpcs() -> None:
     from forkrl.wire.trainer.v1 import trainer_pb2
 
     rollout = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
-    assert {m.name for m in rollout.methods} == {"Generate", "UpdateWeights", "LoadWeights", "GetInfo"}
+    assert {m.name for m in rollout.methods} == {"Generate", "UpdateWeights", "LoadWeights", "GetInfo",
+                                                    "ReleaseLease"}
     assert rollout.methods_by_name["Generate"].server_streaming
     assert rollout.methods_by_name["UpdateWeights"].client_streaming
     trainer = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]

@@ -196,6 +196,17 @@ def test_metrics_sink_writes_one_sorted_line_per_call(tmp_path: Path) -> None:
     assert json.loads(lines[1]) == {"step": 1, "kind": "eval", "eval_accuracy": 0.5}
 
 
+def test_a_resume_drops_the_lines_of_steps_after_its_checkpoint(tmp_path: Path) -> None:
+    sink = MetricsSink(tmp_path, tensorboard=False)
+    for step in (0, 1, 2, 3):
+        sink.write(step, {"x": float(step)}, kind="eval" if step == 0 else "train")
+    assert sink.drop_after(3) == 0 and sink.drop_after(1) == 2  # steps 2 and 3 run again after a resume from 1
+    sink.write(2, {"x": 20.0})
+    lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["kind"], m["x"]) for m in lines] == [(0, "eval", 0.0), (1, "train", 1.0), (2, "train", 20.0)]
+    assert MetricsSink(tmp_path / "new", tensorboard=False).drop_after(0) == 0  # no file yet
+
+
 def test_untie_drops_tensors_that_share_storage() -> None:
     emb = torch.randn(5, 3)
     state = {"embed.weight": emb, "lm_head.weight": emb, "norm.weight": torch.ones(3), "view": emb[1:]}

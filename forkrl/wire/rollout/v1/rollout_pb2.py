@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66orkrl/rollout/v1/rollout.proto\x12\x11\x66orkrl.rollout.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"S\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1b.forkrl.rollout.v1.TokenIdsH\x00\x42\x07\n\x05input\"\x90\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x9f\x01\n\x0fGenerateRequest\x12*\n\x07prompts\x18\x01 \x03(\x0b\x32\x19.forkrl.rollout.v1.Prompt\x12\x33\n\x08sampling\x18\x02 \x01(\x0b\x32!.forkrl.rollout.v1.SamplingParams\x12\x13\n\x0brequest_tag\x18\x03 \x01(\t\x12\x16\n\x0eprompt_offsets\x18\x04 \x03(\x03\"\x88\x02\n\nTrajectory\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x04 \x03(\x05\x12\x17\n\x0f\x63ompletion_text\x18\x05 \x01(\t\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x36\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1f.forkrl.rollout.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x1b\n\x13last_policy_version\x18\t \x01(\x03\"z\n\x10GenerateResponse\x12\x31\n\ntrajectory\x18\x01 \x01(\x0b\x32\x1d.forkrl.rollout.v1.Trajectory\x12\x33\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x1d.forkrl.rollout.v1.Trajectory\"H\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\"|\n\rWeightsHeader\x12\x16\n\x0etarget_version\x18\x01 \x01(\x03\x12.\n\x07tensors\x18\x02 \x03(\x0b\x32\x1d.forkrl.rollout.v1.TensorMeta\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"c\n\x14UpdateWeightsRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32 .forkrl.rollout.v1.WeightsHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"u\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\treceive_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x61pply_s\x18\x03 \x01(\x01\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x03\x12\x0f\n\x07\x64rain_s\x18\x05 \x01(\x01\":\n\x12LoadWeightsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0etarget_version\x18\x02 \x01(\x03\"H\n\x13LoadWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x61pply_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x64rain_s\x18\x03 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\xb5\x01\n\x0e\x45ngineSettings\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x15\n\renforce_eager\x18\x03 \x01(\x08\x12\x15\n\rlogprobs_mode\x18\x04 \x01(\t\x12\x14\n\x0ckv_cache_gib\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x14\n\x0cvllm_version\x18\x07 \x01(\t\x12\x13\n\x0b\x65ngine_mode\x18\x08 \x01(\t\"\xcb\x01\n\x08\x43ounters\x12\x10\n\x08requests\x18\x01 \x01(\x03\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x03\x12\x18\n\x10\x61\x62orted_requests\x18\x05 \x01(\x03\x12\x16\n\x0eweight_reloads\x18\x06 \x01(\x03\x12\x1f\n\x17rejected_weight_updates\x18\x07 \x01(\x03\x12\x18\n\x10running_requests\x18\x08 \x01(\x03\"\xbd\x01\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x31\n\x06\x65ngine\x18\x03 \x01(\x0b\x32!.forkrl.rollout.v1.EngineSettings\x12-\n\x08\x63ounters\x18\x04 \x01(\x0b\x32\x1b.forkrl.rollout.v1.Counters\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x06 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfd\x02\n\x0eRolloutService\x12U\n\x08Generate\x12\".forkrl.rollout.v1.GenerateRequest\x1a#.forkrl.rollout.v1.GenerateResponse0\x01\x12\x64\n\rUpdateWeights\x12\'.forkrl.rollout.v1.UpdateWeightsRequest\x1a(.forkrl.rollout.v1.UpdateWeightsResponse(\x01\x12\\\n\x0bLoadWeights\x12%.forkrl.rollout.v1.LoadWeightsRequest\x1a&.forkrl.rollout.v1.LoadWeightsResponse\x12P\n\x07GetInfo\x12!.forkrl.rollout.v1.GetInfoRequest\x1a\".forkrl.rollout.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66orkrl/rollout/v1/rollout.proto\x12\x11\x66orkrl.rollout.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"S\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1b.forkrl.rollout.v1.TokenIdsH\x00\x42\x07\n\x05input\"\x90\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x9f\x01\n\x0fGenerateRequest\x12*\n\x07prompts\x18\x01 \x03(\x0b\x32\x19.forkrl.rollout.v1.Prompt\x12\x33\n\x08sampling\x18\x02 \x01(\x0b\x32!.forkrl.rollout.v1.SamplingParams\x12\x13\n\x0brequest_tag\x18\x03 \x01(\t\x12\x16\n\x0eprompt_offsets\x18\x04 \x03(\x03\"\x88\x02\n\nTrajectory\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x04 \x03(\x05\x12\x17\n\x0f\x63ompletion_text\x18\x05 \x01(\t\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x36\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1f.forkrl.rollout.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x1b\n\x13last_policy_version\x18\t \x01(\x03\"z\n\x10GenerateResponse\x12\x31\n\ntrajectory\x18\x01 \x01(\x0b\x32\x1d.forkrl.rollout.v1.Trajectory\x12\x33\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x1d.forkrl.rollout.v1.Trajectory\"H\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\"\x8c\x01\n\rWeightsHeader\x12\x16\n\x0etarget_version\x18\x01 \x01(\x03\x12.\n\x07tensors\x18\x02 \x03(\x0b\x32\x1d.forkrl.rollout.v1.TensorMeta\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0e\n\x06run_id\x18\x05 \x01(\t\"c\n\x14UpdateWeightsRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32 .forkrl.rollout.v1.WeightsHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"u\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\treceive_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x61pply_s\x18\x03 \x01(\x01\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x03\x12\x0f\n\x07\x64rain_s\x18\x05 \x01(\x01\"J\n\x12LoadWeightsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0etarget_version\x18\x02 \x01(\x03\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"H\n\x13LoadWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x61pply_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x64rain_s\x18\x03 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\xb5\x01\n\x0e\x45ngineSettings\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x15\n\renforce_eager\x18\x03 \x01(\x08\x12\x15\n\rlogprobs_mode\x18\x04 \x01(\t\x12\x14\n\x0ckv_cache_gib\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x14\n\x0cvllm_version\x18\x07 \x01(\t\x12\x13\n\x0b\x65ngine_mode\x18\x08 \x01(\t\"\xcb\x01\n\x08\x43ounters\x12\x10\n\x08requests\x18\x01 \x01(\x03\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x03\x12\x18\n\x10\x61\x62orted_requests\x18\x05 \x01(\x03\x12\x16\n\x0eweight_reloads\x18\x06 \x01(\x03\x12\x1f\n\x17rejected_weight_updates\x18\x07 \x01(\x03\x12\x18\n\x10running_requests\x18\x08 \x01(\x03\"\xef\x01\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x31\n\x06\x65ngine\x18\x03 \x01(\x0b\x32!.forkrl.rollout.v1.EngineSettings\x12-\n\x08\x63ounters\x18\x04 \x01(\x0b\x32\x1b.forkrl.rollout.v1.Counters\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x06 \x01(\x05\x12\x14\n\x0clease_run_id\x18\x07 \x01(\t\x12\x1a\n\x12lease_expires_in_s\x18\x08 \x01(\x01\"4\n\x13ReleaseLeaseRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"/\n\x14ReleaseLeaseResponse\x12\x17\n\x0freleased_run_id\x18\x01 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xde\x03\n\x0eRolloutService\x12U\n\x08Generate\x12\".forkrl.rollout.v1.GenerateRequest\x1a#.forkrl.rollout.v1.GenerateResponse0\x01\x12\x64\n\rUpdateWeights\x12\'.forkrl.rollout.v1.UpdateWeightsRequest\x1a(.forkrl.rollout.v1.UpdateWeightsResponse(\x01\x12\\\n\x0bLoadWeights\x12%.forkrl.rollout.v1.LoadWeightsRequest\x1a&.forkrl.rollout.v1.LoadWeightsResponse\x12P\n\x07GetInfo\x12!.forkrl.rollout.v1.GetInfoRequest\x1a\".forkrl.rollout.v1.GetInfoResponse\x12_\n\x0cReleaseLease\x12&.forkrl.rollout.v1.ReleaseLeaseRequest\x1a\'.forkrl.rollout.v1.ReleaseLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'forkrl.rollout.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2018
-  _globals['_FINISHREASON']._serialized_end=2138
+  _globals['_FINISHREASON']._serialized_start=2204
+  _globals['_FINISHREASON']._serialized_end=2324
   _globals['_TOKENIDS']._serialized_start=54
   _globals['_TOKENIDS']._serialized_end=77
   _globals['_PROMPT']._serialized_start=79
@@ -47,24 +47,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_end=862
   _globals['_TENSORMETA']._serialized_start=864
   _globals['_TENSORMETA']._serialized_end=936
-  _globals['_WEIGHTSHEADER']._serialized_start=938
-  _globals['_WEIGHTSHEADER']._serialized_end=1062
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1064
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1163
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1165
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1282
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=1284
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1342
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=1344
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1416
-  _globals['_GETINFOREQUEST']._serialized_start=1418
-  _globals['_GETINFOREQUEST']._serialized_end=1434
-  _globals['_ENGINESETTINGS']._serialized_start=1437
-  _globals['_ENGINESETTINGS']._serialized_end=1618
-  _globals['_COUNTERS']._serialized_start=1621
-  _globals['_COUNTERS']._serialized_end=1824
-  _globals['_GETINFORESPONSE']._serialized_start=1827
-  _globals['_GETINFORESPONSE']._serialized_end=2016
-  _globals['_ROLLOUTSERVICE']._serialized_start=2141
-  _globals['_ROLLOUTSERVICE']._serialized_end=2522
+  _globals['_WEIGHTSHEADER']._serialized_start=939
+  _globals['_WEIGHTSHEADER']._serialized_end=1079
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1081
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1180
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1182
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1299
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=1301
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1375
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=1377
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1449
+  _globals['_GETINFOREQUEST']._serialized_start=1451
+  _globals['_GETINFOREQUEST']._serialized_end=1467
+  _globals['_ENGINESETTINGS']._serialized_start=1470
+  _globals['_ENGINESETTINGS']._serialized_end=1651
+  _globals['_COUNTERS']._serialized_start=1654
+  _globals['_COUNTERS']._serialized_end=1857
+  _globals['_GETINFORESPONSE']._serialized_start=1860
+  _globals['_GETINFORESPONSE']._serialized_end=2099
+  _globals['_RELEASELEASEREQUEST']._serialized_start=2101
+  _globals['_RELEASELEASEREQUEST']._serialized_end=2153
+  _globals['_RELEASELEASERESPONSE']._serialized_start=2155
+  _globals['_RELEASELEASERESPONSE']._serialized_end=2202
+  _globals['_ROLLOUTSERVICE']._serialized_start=2327
+  _globals['_ROLLOUTSERVICE']._serialized_end=2805
 # @@protoc_insertion_point(module_scope)

@@ -103,16 +103,18 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class WeightsHeader(_message.Message):
-    __slots__ = ("target_version", "tensors", "total_bytes", "sha256")
+    __slots__ = ("target_version", "tensors", "total_bytes", "sha256", "run_id")
     TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     target_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     total_bytes: int
     sha256: str
-    def __init__(self, target_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, target_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -137,12 +139,14 @@ class UpdateWeightsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., receive_s: _Optional[float] = ..., apply_s: _Optional[float] = ..., bytes_received: _Optional[int] = ..., drain_s: _Optional[float] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
-    __slots__ = ("path", "target_version")
+    __slots__ = ("path", "target_version", "run_id")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     path: str
     target_version: int
-    def __init__(self, path: _Optional[str] = ..., target_version: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, path: _Optional[str] = ..., target_version: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsResponse(_message.Message):
     __slots__ = ("version", "apply_s", "drain_s")
@@ -199,17 +203,35 @@ class Counters(_message.Message):
     def __init__(self, requests: _Optional[int] = ..., samples: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., weight_reloads: _Optional[int] = ..., rejected_weight_updates: _Optional[int] = ..., running_requests: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "version", "engine", "counters", "vocab_size", "eos_token_id")
+    __slots__ = ("model", "version", "engine", "counters", "vocab_size", "eos_token_id", "lease_run_id", "lease_expires_in_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     engine: EngineSettings
     counters: Counters
     vocab_size: int
     eos_token_id: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., engine: _Optional[_Union[EngineSettings, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
+    lease_run_id: str
+    lease_expires_in_s: float
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., engine: _Optional[_Union[EngineSettings, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., lease_run_id: _Optional[str] = ..., lease_expires_in_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("run_id", "force")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    force: bool
+    def __init__(self, run_id: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ("released_run_id",)
+    RELEASED_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    released_run_id: str
+    def __init__(self, released_run_id: _Optional[str] = ...) -> None: ...

@@ -54,6 +54,11 @@ class RolloutServiceStub:
                 request_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/forkrl.rollout.v1.RolloutService/ReleaseLease',
+                request_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -90,6 +95,13 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseLease(self, request, context):
+        """Gives up the rollout lease: the holding run when it ends (run_id), or an operator (force).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +124,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.GetInfoRequest.FromString,
                     response_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +239,33 @@ class RolloutService:
             '/forkrl.rollout.v1.RolloutService/GetInfo',
             forkrl_dot_rollout_dot_v1_dot_rollout__pb2.GetInfoRequest.SerializeToString,
             forkrl_dot_rollout_dot_v1_dot_rollout__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forkrl.rollout.v1.RolloutService/ReleaseLease',
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseLeaseRequest.SerializeToString,
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

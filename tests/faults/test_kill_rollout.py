@@ -1,0 +1,94 @@
+"""kill -9 of the rollout service in the middle of a run, restarted on the same port: the run waits for it, pushes
+its weights again, redoes the step in progress and ends SUCCEEDED with every step done once, each trained on
+samples of the policy it had pushed (metrics.jsonl). Real processes: the vLLM rollout service and the trainer
+service; the run is small (the embedded tiny model, 8 steps of 8 prompts x 4 samples). And a rollout that never
+comes back: the run fails after its bounded wait, with a checkpoint of its last trained step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+
+import pytest
+
+from forkrl.clients.rollout import RolloutClient
+from forkrl.training.config import RunConfig, to_proto
+from forkrl.weights.checkpoint import latest_checkpoint, read_state
+from forkrl.wire.trainer.v1 import trainer_pb2
+from tests.service_fixtures import free_port, start_rollout_service, start_trainer_service, wait_until
+from tests.trainer.helpers import SMALL, metric_lines, run_to_end, trainer_stub
+
+pytestmark = [pytest.mark.slow, pytest.mark.isolated]
+STEPS = 8
+
+
+def test_a_rollout_killed_mid_run_costs_the_step_in_progress_only(tiny_model_dir, tmp_path):
+    port = free_port()  # the restarted service must come back where the run looks for it
+    run_dir = tmp_path / "runs" / "run"
+    cfg = RunConfig(model=str(tiny_model_dir), rollout_addresses=[f"127.0.0.1:{port}"], num_steps=STEPS,
+                    run_dir=str(run_dir), **SMALL)
+    rollout = dict(port=port, kv_cache_gib=1, seed=0, staging_dir=tmp_path / "staging")
+    with start_trainer_service(tmp_path / "runs", log_path=tmp_path / "trainer.log", rollout_wait_s=300) as trainer, \
+            trainer_stub(trainer) as stub:
+        with start_rollout_service(tiny_model_dir, log_path=tmp_path / "rollout-a.log", **rollout) as first:
+            run_id = stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(cfg)), timeout=60).run_id
+
+            def get() -> trainer_pb2.GetRunResponse:
+                return stub.GetRun(trainer_pb2.GetRunRequest(run_id=run_id), timeout=10)
+
+            wait_until(lambda: get().step >= 2, 300, "two steps", every_s=0.05)
+            os.killpg(first.process.pid, signal.SIGKILL)
+            first.process.wait(10)
+            at_kill = get()
+            assert at_kill.state == trainer_pb2.RUN_STATE_RUNNING and at_kill.step < STEPS, "the kill came too late"
+        with start_rollout_service(tiny_model_dir, log_path=tmp_path / "rollout-b.log", **rollout) as second:
+            list(stub.WatchRun(trainer_pb2.WatchRunRequest(run_id=run_id), timeout=600))
+            run = get()
+            assert run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
+            with RolloutClient(second) as c:
+                info = c.info()
+            assert info.lease_run_id == ""  # released at the end of the run
+            assert info.version >= STEPS - at_kill.step  # the weights again, then one push per remaining step
+
+    lines = metric_lines(run_dir)
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))  # every step, once
+    # sync: step s samples with the policy pushed after step s - 1, never with the restarted service's own weights
+    assert [m["rollout_policy_version"] for m in lines] == [m["policy_version"] - 1 for m in lines]
+    assert lines[-1]["rollout_recoveries"] >= 1
+    times = [m["time_step_s"] for m in lines]
+    slow = max(range(STEPS), key=times.__getitem__)
+    lost = times[slow] - statistics.median(times[:slow] + times[slow + 1:])
+    print(f"\nrollout restart: step {slow + 1} took {times[slow]:.1f} s, {lost:.1f} s more than the median step; "
+          f"foreign batches {lines[-1]['foreign_batches']:.0f}, recoveries {lines[-1]['rollout_recoveries']:.0f}")
+
+
+def test_a_run_whose_rollout_never_returns_fails_with_a_checkpoint_and_resumes(tiny_model_dir, tmp_path):
+    """The rollout is killed and not restarted: the run waits --rollout-wait-s (5 s here), then fails, having
+    first written a checkpoint of its last trained step; a resume on another rollout service loses nothing."""
+    run_dir = tmp_path / "runs" / "run"
+    base = dict(model=str(tiny_model_dir), num_steps=STEPS, run_dir=str(run_dir), **SMALL)  # save_every 0
+    rollout = dict(kv_cache_gib=1, seed=0, staging_dir=tmp_path / "staging")
+    with start_trainer_service(tmp_path / "runs", log_path=tmp_path / "trainer.log", rollout_wait_s=5) as trainer, \
+            trainer_stub(trainer) as stub:
+        with start_rollout_service(tiny_model_dir, log_path=tmp_path / "rollout-a.log", **rollout) as first:
+            cfg = RunConfig(rollout_addresses=[first], **base)
+            run_id = stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(cfg)), timeout=60).run_id
+            wait_until(lambda: stub.GetRun(trainer_pb2.GetRunRequest(run_id=run_id), timeout=10).step >= 2, 300,
+                       "two steps", every_s=0.05)
+            os.killpg(first.process.pid, signal.SIGKILL)
+            first.process.wait(10)
+        list(stub.WatchRun(trainer_pb2.WatchRunRequest(run_id=run_id), timeout=300))
+        run = stub.GetRun(trainer_pb2.GetRunRequest(run_id=run_id), timeout=10)
+        assert run.state == trainer_pb2.RUN_STATE_FAILED and "not SERVING after 5 s" in run.error, run.error
+        assert run.step < STEPS, "the kill came too late"
+        done = [m["step"] for m in metric_lines(run_dir)]
+        assert done == list(range(1, len(done) + 1)) and len(done) >= 2
+        assert read_state(latest_checkpoint(run_dir))["step"] == done[-1]  # saved on the way out
+
+        with start_rollout_service(tiny_model_dir, log_path=tmp_path / "rollout-b.log", **rollout) as second:
+            cfg = RunConfig(rollout_addresses=[second], resume=True, **base)
+            _, items, run = run_to_end(trainer, cfg)
+        assert run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
+        assert [i.metrics.step for i in items if i.HasField("metrics")] == list(range(done[-1] + 1, STEPS + 1))
+    assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, STEPS + 1))
