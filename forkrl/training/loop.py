@@ -147,6 +147,7 @@ def _steps(s: _Session) -> None:
     if step == 0:
         s.evaluate(0)
     ahead = None
+    start_cursor = s.data.cursor  # async: where the data stands before the first batch is taken
     if cfg.max_staleness > 0:
         ahead = AheadCollector(s.collect_ahead, step + 1, cfg.num_steps, cfg.max_staleness)
     try:
@@ -157,7 +158,7 @@ def _steps(s: _Session) -> None:
             if ahead is None:
                 scored = s.resilient(f"sampling step {step}", lambda step=step: s.collect(step))
             else:
-                scored, s.cursor = ahead.get(step)
+                scored, ahead = s.take_ahead(ahead, step, start_cursor)
             metrics = scored.metrics()
             metrics.update(time_generate_s=scored.time_generate_s, time_score_s=scored.time_score_s, lr=lr,
                            foreign_batches=float(s.foreign_batches), rollout_recoveries=float(s.recoveries))
@@ -268,6 +269,48 @@ class _Session:
             self.data.cursor = cursor
             raise
 
+    def take_ahead(self, ahead: AheadCollector, step: int, start_cursor: int) -> tuple[ScoredBatch, AheadCollector]:
+        """Async: the batch of `step` from the collector, and the collector to go on with. After a rollout fault
+        (the sampling thread's call failed UNAVAILABLE, or the batch holds a trajectory of weights this run did not
+        push there: a restarted service), stop the collector (the batches sampled ahead are discarded), put the data
+        cursor back after the last batch taken, wait for health and push the current weights again where they
+        were lost, and sample again from `step` on a new collector: the fault costs the steps in flight, never a
+        step trained on foreign samples."""
+        for attempt in range(MAX_RECOVERIES + 1):
+            try:
+                scored, cursor = ahead.get(step)
+                foreign = sum(t.policy_version < 0 for t in scored.trajectories)
+                too_old = max(staleness(self.version, scored.trajectories), default=0) > self.cfg.max_staleness
+                if foreign or (too_old and self.rollouts.lost()):  # not: too old because someone else pushed
+                    foreign = foreign or len(scored.trajectories)
+                    self.foreign_batches += 1
+                    raise ForeignBatch(f"{foreign} of {len(scored.trajectories)} trajectories of step {step} were "
+                                       "sampled by weights this run did not push (a restarted rollout service)")
+                self.cursor = cursor
+                return scored, ahead
+            except (RuntimeError, ForeignBatch, grpc.RpcError) as e:
+                cause = e.__cause__ if type(e) is RuntimeError else e  # get() wraps the sampler's error
+                if attempt == MAX_RECOVERIES or not isinstance(cause, grpc.RpcError | ForeignBatch) \
+                        or not _rollout_fault(cause):
+                    raise
+                ahead.close(timeout_s=600)
+                self.data.cursor = self.cursor if self.cursor is not None else start_cursor
+                self.recover(f"sampling step {step} ahead", cause)
+                ahead = AheadCollector(self.collect_ahead, step, self.cfg.num_steps, self.cfg.max_staleness)
+        raise AssertionError("unreachable")
+
+    def recover(self, what: str, e: BaseException) -> None:
+        """After a rollout fault: wait for health, push the current weights again where they were lost."""
+        why = str(e) if isinstance(e, ForeignBatch) else f"{e.code().name}: {e.details()}"
+        self.run.event("LOG", f"{what}: {why}; waiting up to {self.wait_s:.0f} s for the rollout "
+                       "service(s), then pushing the weights again")
+        t0 = time.perf_counter()
+        lost = self.rollouts.restore(self.full_state(), self.version, self.cfg.weight_sync, self.run.run_dir,
+                                     self.wait_s)
+        self.recoveries += 1
+        self.run.event("LOG", f"{what}: rollout service(s) {lost} given version {self.version} again after "
+                       f"{time.perf_counter() - t0:.1f} s; redoing it")
+
     def resilient(self, what: str, fn: Callable[[], T]) -> T:
         """fn(), and after a rollout fault (UNAVAILABLE, a version the service no longer serves, a foreign batch):
         wait for health, push the current weights again where they were lost, and run fn() again."""
@@ -277,15 +320,7 @@ class _Session:
             except (grpc.RpcError, ForeignBatch) as e:
                 if attempt == MAX_RECOVERIES or not _rollout_fault(e):
                     raise
-                why = str(e) if isinstance(e, ForeignBatch) else f"{e.code().name}: {e.details()}"
-                self.run.event("LOG", f"{what}: {why}; waiting up to {self.wait_s:.0f} s for the rollout "
-                               "service(s), then pushing the weights again")
-                t0 = time.perf_counter()
-                lost = self.rollouts.restore(self.full_state(), self.version, self.cfg.weight_sync,
-                                             self.run.run_dir, self.wait_s)
-                self.recoveries += 1
-                self.run.event("LOG", f"{what}: rollout service(s) {lost} given version {self.version} again after "
-                               f"{time.perf_counter() - t0:.1f} s; redoing it")
+                self.recover(what, e)
         raise AssertionError("unreachable")
 
     def trained(self, step: int, metrics: dict[str, float]) -> None:

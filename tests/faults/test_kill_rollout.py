@@ -1,7 +1,7 @@
 """kill -9 of the rollout service in the middle of a run, restarted on the same port: the run waits for it, pushes
 its weights again, redoes the step in progress and ends SUCCEEDED with every step done once, each trained on
 samples of the policy it had pushed (metrics.jsonl). Real processes: the vLLM rollout service and the trainer
-service; the run is small (the embedded tiny model, 8 steps of 8 prompts x 4 samples). And a rollout that never
+service; the run is small (the embedded tiny model, 8 steps of 8 prompts x 4 samples), sync and async (k = 1). And a rollout that never
 comes back: the run fails after its bounded wait, with a checkpoint of its last trained step."""
 
 from __future__ import annotations
@@ -23,11 +23,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.isolated]
 STEPS = 8
 
 
-def test_a_rollout_killed_mid_run_costs_the_step_in_progress_only(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("max_staleness", [0, 1], ids=["sync", "async"])
+def test_a_rollout_killed_mid_run_costs_the_step_in_progress_only(tiny_model_dir, tmp_path, max_staleness):
+    """Sync: the step in progress is sampled again. Async (k = 1): the sampler is stopped, the batches sampled ahead
+    are discarded, and sampling starts again from the step in progress once the weights are back."""
     port = free_port()  # the restarted service must come back where the run looks for it
     run_dir = tmp_path / "runs" / "run"
     cfg = RunConfig(model=str(tiny_model_dir), rollout_addresses=[f"127.0.0.1:{port}"], num_steps=STEPS,
-                    run_dir=str(run_dir), **SMALL)
+                    run_dir=str(run_dir), max_staleness=max_staleness, **SMALL)
     rollout = dict(port=port, kv_cache_gib=1, seed=0, staging_dir=tmp_path / "staging")
     with start_trainer_service(tmp_path / "runs", log_path=tmp_path / "trainer.log", rollout_wait_s=300) as trainer, \
             trainer_stub(trainer) as stub:
@@ -53,8 +56,19 @@ def test_a_rollout_killed_mid_run_costs_the_step_in_progress_only(tiny_model_dir
 
     lines = metric_lines(run_dir)
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))  # every step, once
-    # sync: step s samples with the policy pushed after step s - 1, never with the restarted service's own weights
-    assert [m["rollout_policy_version"] for m in lines] == [m["policy_version"] - 1 for m in lines]
+    # step s trains at version s - 1 and pushes s (policy_version); its samples come from a version this run pushed
+    # (never the restarted service's own weights, which map to -1 or to the initial version 0) at most k versions
+    # older than the trainer's: sync, exactly s - 1
+    for m in lines:
+        trained_at = m["policy_version"] - 1
+        assert trained_at - max_staleness <= m["rollout_policy_version"] <= trained_at, m
+        assert m["rollout_policy_version"] >= 0
+        if m["step"] > 1 + max_staleness:  # past the start, a version 0 sample would be the restarted service's
+            assert m["rollout_policy_version"] >= 1, m
+    if max_staleness == 0:
+        assert [m["rollout_policy_version"] for m in lines] == [m["policy_version"] - 1 for m in lines]
+    if max_staleness:
+        assert lines[-1]["stale_batches_dropped"] == 0  # recovered, not dropped
     assert lines[-1]["rollout_recoveries"] >= 1
     times = [m["time_step_s"] for m in lines]
     slow = max(range(STEPS), key=times.__getitem__)
