@@ -1,8 +1,9 @@
 """kill -9 of the rollout service in the middle of a run, restarted on the same port: the run waits for it, pushes
 its weights again, redoes the step in progress and ends SUCCEEDED with every step done once, each trained on
 samples of the policy it had pushed (metrics.jsonl). Real processes: the vLLM rollout service and the trainer
-service; the run is small (the embedded tiny model, 8 steps of 8 prompts x 4 samples), sync and async (k = 1). And a rollout that never
-comes back: the run fails after its bounded wait, with a checkpoint of its last trained step."""
+service; the run is small (the embedded tiny model, 8 steps of 8 prompts x 4 samples), sync and async (k = 1).
+And a rollout that never comes back: the run fails after its bounded wait, with a checkpoint of its last trained
+step."""
 
 from __future__ import annotations
 
