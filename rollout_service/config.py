@@ -49,9 +49,18 @@ class RolloutSettings(TokenSettings):
     on CPU). The gRPC server runs apart from the model in both."""
     swap_mode: Literal["inplace", "drain"] = "inplace"
     """How pushed weights replace the served ones. inplace: between two engine steps, the samples in flight
-    continue under the new weights (generation stalls for one pause + apply + resume; a sample reports the
+    continue under the new weights (generation stalls for the apply, see stage_weights; a sample reports the
     versions it was sampled with, first and last); drain: new samples wait until every sample in flight has
     finished, so each sample has one version, but generation runs dry for the drain (bench/bench_swap.py)."""
+    stage_weights: bool = True
+    """Swap mode inplace: load pushed weights into a shadow copy of the model in slices between engine steps
+    while generation goes on (stage_slice_ms each), then copy them in between two engine steps, so a push
+    delays no step by more than a slice or the copy (rollout_service/shadow.py). Costs a second copy of the
+    weights in the worker. false: pause the engine, run vLLM's reload, resume (generation stalls for the
+    whole reload)."""
+    stage_slice_ms: float = Field(2.0, gt=0)
+    """stage_weights: the longest stretch of staging work run between two engine steps (the staging takes
+    as many steps as it needs; a smaller slice delays each step less and the push completes later)."""
     max_num_seqs: int = Field(256, gt=0)
     """Most sequences the engine batches at once (vLLM's max_num_seqs)."""
     max_prompts_per_request: int = Field(16384, gt=0)

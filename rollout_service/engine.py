@@ -7,9 +7,10 @@ vLLM) or a fake in the plumbing tests, so this logic is tested without a model. 
 and verified in `staging.py`.
 
 Swap protocols (`swap_mode`):
-- "inplace" (default): the backend pauses the engine between two engine steps with the requests in flight
-  kept scheduled, applies the weights in place, bumps the version and resumes: generation stalls for one
-  pause + apply + resume, never for the samples in flight (bench/bench_swap.py measures it). A sample in
+- "inplace" (default): the weights are applied between two engine steps with the requests in flight kept
+  scheduled and the version bumped before any later token is seen: the backend stages them in a shadow
+  model while generating and copies them in (`stage_weights`), or pauses, reloads and resumes; generation
+  stalls for the copy or the reload, never for the samples in flight (bench/bench_swap.py measures it). A sample in
   flight during a push continues under the new weights (its KV cache of earlier tokens stays), so its tokens
   may come from two versions: it reports `policy_version` = the version served when it was submitted (no
   older than its first token's) and `last_policy_version` = the version served when it finished (never older
@@ -417,7 +418,8 @@ class RolloutEngine:
         t1 = time.perf_counter()
         if was_broken:
             await self._set_serving(True)
-        log.info("weights v%d in place (in flight kept): apply %.3f s", target_version, t1 - t0)
+        log.info("weights v%d in place (in flight kept, %s): apply %.3f s", target_version,
+                 getattr(self.backend, "last_route", "") or "reloaded", t1 - t0)
         return SwapResult(version=target_version, apply_s=t1 - t0, drain_s=0.0)
 
     def _abort_for_swap(self) -> None:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -51,6 +53,99 @@ class WeightReloadExtension:
 
         self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
         return {"tensors": count, "seconds": time.perf_counter() - start}
+
+    # ---- staged swap (rollout_service/shadow.py): the new weights are loaded into a shadow of the model in
+    # slices between engine steps, then copied in by one call. A slice: `forkrl_stage_status` (one utility
+    # call, so it runs between two engine steps) lets the staging thread run for `slice_s` while this thread
+    # waits, then the staging thread parks itself at the next checkpoint (the next checkpoint tensor, the next
+    # module cloned). The two threads never run Python at once, so the engine's steps do not fight for the GIL:
+    # each step is delayed by at most one slice (plus the one tensor or layer in progress when it ends).
+    def forkrl_stage_safetensors(self, path: str, slice_s: float) -> dict[str, Any]:
+        """Prepare a staged load of `path`; the work happens in the slices `forkrl_stage_status` grants."""
+        state = _staging(self)
+        if state["thread"] is not None and state["thread"].is_alive():
+            raise RuntimeError("a staged reload is already in progress")
+        go, parked = threading.Event(), threading.Event()
+        state.update(status="running", error="", tensors=0, seconds=0.0, slices=0, slice_s=float(slice_s),
+                     go=go, parked=parked, deadline=0.0, last_end=0.0)
+
+        def checkpoint() -> None:  # in the staging thread: park once the slice is used up
+            if time.perf_counter() >= state["deadline"]:
+                go.clear()
+                parked.set()
+                go.wait()
+
+        def work() -> None:
+            go.wait()
+            start = time.perf_counter()
+            try:
+                files = checkpoint_files(path)
+                if not files:
+                    raise FileNotFoundError(f"no *.safetensors under {path}")
+                for f in files:
+                    check_data_section(f)
+                if state["shadow"] is None:
+                    from rollout_service.shadow import ShadowModel
+
+                    state["shadow"] = ShadowModel(self.model_runner.get_model(),  # type: ignore[attr-defined]
+                                                  checkpoint=checkpoint)
+
+                def weights() -> Iterator[tuple[str, torch.Tensor]]:
+                    for item in iter_safetensors(files):
+                        checkpoint()
+                        yield item
+
+                tensors = state["shadow"].stage(self.vllm_config, weights())  # type: ignore[attr-defined]
+                state.update(status="ready", tensors=tensors, seconds=time.perf_counter() - start)
+            except BaseException as e:  # reported by forkrl_stage_status; the served model was not touched
+                state.update(status="failed", error=f"{type(e).__name__}: {e}")
+            finally:
+                parked.set()
+
+        state["thread"] = threading.Thread(target=work, name="forkrl-stage", daemon=True)
+        state["thread"].start()
+        return {"status": "running"}
+
+    def forkrl_stage_status(self) -> dict[str, Any]:
+        """Grant the staging one slice (if it is running), then report: running | ready | failed (with the
+        error), the tensors read, the staging seconds (wall, slices and the steps between them) and slices."""
+        state = _staging(self)
+        # at most one slice per slice_s of wall time: calls that come closer (several between two engine
+        # steps) only report, so the engine gets at least half of the time
+        if state["status"] == "running" and time.perf_counter() - state["last_end"] >= state["slice_s"]:
+            state["parked"].clear()
+            state["deadline"] = time.perf_counter() + state["slice_s"]
+            state["slices"] += 1
+            state["go"].set()
+            if not state["parked"].wait(STAGE_SLICE_TIMEOUT_S):
+                state.update(status="failed", error=f"a staging slice did not end within {STAGE_SLICE_TIMEOUT_S} s")
+            state["last_end"] = time.perf_counter()
+        return {k: state[k] for k in ("status", "error", "tensors", "seconds", "slices")}
+
+    def forkrl_apply_staged(self) -> dict[str, Any]:
+        """Copy the staged weights into the served model; runs between two engine steps."""
+        state = _staging(self)
+        if state["status"] != "ready":
+            raise RuntimeError(f"no staged weights to apply (staging {state['status']}: {state['error']})")
+        start = time.perf_counter()
+        copied = state["shadow"].apply()
+        runner = self.model_runner  # type: ignore[attr-defined]
+        for reset in ("reset_encoder_cache", "reset_mm_cache"):  # what vLLM's reload_weights also drops
+            if hasattr(runner, reset):
+                getattr(runner, reset)()
+        state["status"] = "idle"
+        return {"tensors": copied, "seconds": time.perf_counter() - start, "stage_seconds": state["seconds"],
+                "slices": state["slices"]}
+
+
+STAGE_SLICE_TIMEOUT_S = 600.0  # one tensor (or one layer's processing) that takes longer is a hang
+
+
+def _staging(worker: Any) -> dict[str, Any]:
+    if not hasattr(worker, "_forkrl_staging"):
+        worker._forkrl_staging = {"thread": None, "shadow": None, "status": "idle", "error": "", "tensors": 0,
+                                  "seconds": 0.0, "slices": 0}
+    return worker._forkrl_staging
 
 
 def check_data_section(path: str | os.PathLike) -> None:

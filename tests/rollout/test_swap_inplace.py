@@ -26,11 +26,16 @@ pytestmark = pytest.mark.slow
 PROMPT = "hello world"  # out of distribution: the tiny model runs long on it
 
 
-@pytest.fixture(scope="module")
-def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceAddress]:
-    staging = tmp_path_factory.mktemp("staging")
+@pytest.fixture(scope="module", params=["staged", "paused"])
+def service(request: pytest.FixtureRequest, tiny_model_dir: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceAddress]:
+    """staged: --stage-weights (the default: a shadow model loaded between steps, then a copy); paused:
+    --stage-weights false (pause, vLLM's reload, resume)."""
+    staging = tmp_path_factory.mktemp(f"staging-{request.param}")
     with start_rollout_service(tiny_model_dir, seed=0, kv_cache_gib=1, staging_dir=staging, swap_mode="inplace",
-                               log_path=staging.parent / "rollout.log") as address:
+                               stage_weights=request.param == "staged",
+                               log_path=staging / "rollout.log") as address:
+        address.route = request.param  # type: ignore[attr-defined]
         yield address
 
 
@@ -93,3 +98,7 @@ def test_a_push_during_generation_keeps_the_samples_and_later_tokens_use_the_new
             assert t.last_policy_version == v0 + 1  # it reports the version its later tokens came from
         mixed += 0 < k < len(completion)
     assert mixed >= 1  # at least one sample was in flight across the push and continued under the new weights
+    # the route the service says it took (a failed staging falls back to the pause and says so)
+    log_text = Path(service.log_path).read_text()
+    assert f"weights v{v0 + 1} in place (in flight kept, {service.route})" in log_text, log_text[-3000:]
+    assert "staged weight swap failed" not in log_text

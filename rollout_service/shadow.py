@@ -1,0 +1,175 @@
+"""Double-buffered weight swap: load pushed weights into a shadow of the served model, then copy them in.
+
+vLLM's in-place reload (`reload_weights`) runs the whole loading pipeline on the served model: every layer is
+put back on the meta device, the checkpoint tensors are loaded (fusing q/k/v, gate/up, ...), each layer is
+processed again (on CPU: weights re-packed into oneDNN/SGL handles) and the processed values are copied
+into the kernel tensors. Generation must stop for all of it (22-27 ms on the tiny model, far longer on a real
+one), which is the stall `bench/bench_swap.py` measured in swap mode "inplace".
+
+`ShadowModel` runs that same pipeline on a *shadow* of the model while the engine keeps generating:
+- the shadow is a copy of the module tree (`copy.copy` of each module with its own `_parameters`,
+  `_buffers` and `_modules`), every parameter and buffer a clone (ties kept: a tensor shared by two modules
+  is cloned once), and each layer's reload metadata (vLLM's `LAYERWISE_INFO`, recorded at start-up) copied
+  with its weight-loader methods bound to the shadow layer. The KV cache and everything else that is not a
+  parameter or buffer stay shared, and are never written by a reload;
+- `stage(weights)` calls vLLM's `reload_weights` on the shadow (any thread; the served model is not
+  touched) and records which non-tensor attributes the processing re-bound (on CPU: `cpu_linear`, the
+  closure that holds the packed weight);
+- `apply()`, called between two engine steps, copies every parameter and buffer of the shadow into the served
+  tensors (`copy_`, so CUDA-graph references stay valid, as vLLM's own reload does) and re-binds the
+  recorded attributes on the served layers. It touches tensors and attributes only: on the tiny model on
+  CPU well under a millisecond.
+The price is a second copy of the weights (and of the packed handles) in the worker, kept between pushes.
+Anything unexpected (a tensor whose shape or dtype differs between shadow and served model) raises before
+the first copy, so a failed `apply` leaves the served weights as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterable
+from types import MethodType
+from typing import Any
+
+import torch
+
+# module attributes that are the module's structure, not state a reload re-binds
+_STRUCTURE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"})
+
+
+def _bind_to(tensor: torch.Tensor, old: Any, new: torch.nn.Module) -> torch.Tensor:
+    """A copy of a (meta) metadata tensor whose methods bound to `old` (the served layer or vLLM's
+    sentinel) are bound to `new` instead."""
+    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+
+    out = tensor.data.to("meta") if tensor.device.type != "meta" else tensor.data.detach()
+    out.__class__ = tensor.__class__
+    out.__dict__ = tensor.__dict__.copy()
+    for key, value in out.__dict__.items():
+        if isinstance(value, MethodType) and value.__self__ in (old, layer_ref_sentinel):
+            out.__dict__[key] = value.__func__.__get__(new)
+    return out
+
+
+class ShadowModel:
+    """A shadow of `live` (the served vLLM model) for staged reloads; see the module docstring."""
+
+    def __init__(self, live: torch.nn.Module, checkpoint: Callable[[], None] = lambda: None) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, get_layerwise_info
+
+        self.live = live
+        self.pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+        clones: dict[int, torch.Tensor] = {}  # id(served tensor) -> its clone: shared tensors stay shared
+        shadows: dict[int, torch.nn.Module] = {}
+
+        def clone(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if id(t) not in clones:
+                data = t.detach().clone()
+                clones[id(t)] = torch.nn.Parameter(data, requires_grad=False) if isinstance(
+                    t, torch.nn.Parameter) else data
+            return clones[id(t)]
+
+        def shadow(m: torch.nn.Module) -> torch.nn.Module:
+            if id(m) in shadows:
+                return shadows[id(m)]
+            checkpoint()  # the caller may park this thread here (worker_ext: staging in slices)
+            s = copy.copy(m)  # a new __dict__; the dicts below are replaced so nothing structural is shared
+            shadows[id(m)] = s
+            s._parameters = {k: clone(p) for k, p in m._parameters.items()}
+            s._buffers = {k: clone(b) for k, b in m._buffers.items()}
+            s._non_persistent_buffers_set = set(m._non_persistent_buffers_set)
+            s._modules = {k: (shadow(c) if c is not None else None) for k, c in m._modules.items()}
+            self.pairs.append((m, s))
+            return s
+
+        with torch.no_grad():
+            self.model = shadow(live)
+        for m, s in self.pairs:
+            if m not in LAYERWISE_INFO:
+                continue
+            src, dst = LAYERWISE_INFO[m], get_layerwise_info(s)
+            params, buffers = src.restore_metadata
+            dst.restore_metadata = ({k: _bind_to(v, m, s) for k, v in params.items()},
+                                    {k: _bind_to(v, m, s) for k, v in buffers.items()})
+            dst.restore_device = src.restore_device
+        self.rebound: list[tuple[torch.nn.Module, dict[str, Any]]] = []
+        self.ready = False
+        self.stage_s = 0.0
+
+    def nbytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for _, s in self.pairs:
+            for t in list(s._parameters.values()) + list(s._buffers.values()):
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+        return total
+
+    def stage(self, vllm_config: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load `weights` (checkpoint format) into the shadow; returns the number of tensors read."""
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        t0 = time.perf_counter()
+        self.ready = False
+        before = [(m, s, dict(s.__dict__)) for m, s in self.pairs]
+        count = 0
+
+        def counted() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for item in weights:
+                count += 1
+                yield item
+
+        with torch.no_grad():
+            reload_weights(vllm_config, self.model, weights_iterator=counted(), weights_path=None,
+                           is_checkpoint_format=True)
+        self.rebound = []
+        for m, s, old in before:
+            changed = {k: v for k, v in s.__dict__.items()
+                       if k not in _STRUCTURE and not isinstance(v, torch.nn.Module | torch.Tensor)
+                       and (k not in old or old[k] is not v)}
+            if changed:
+                self.rebound.append((m, changed))
+        self._check()
+        self.ready = True
+        self.stage_s = time.perf_counter() - t0
+        return count
+
+    def _check(self) -> None:
+        for m, s in self.pairs:
+            for kind in ("_parameters", "_buffers"):
+                live, shadow = getattr(m, kind), getattr(s, kind)
+                if live.keys() != shadow.keys():
+                    raise RuntimeError(f"{type(m).__name__}: {kind[1:]} {sorted(live)} vs staged {sorted(shadow)}")
+                for k, t in live.items():
+                    u = shadow[k]
+                    if (t is None) != (u is None) or (t is not None and (t.shape != u.shape or t.dtype != u.dtype)):
+                        raise RuntimeError(f"{type(m).__name__}.{k}: served {None if t is None else tuple(t.shape)} "
+                                           f"vs staged {None if u is None else tuple(u.shape)}")
+
+    @torch.no_grad()
+    def apply(self) -> int:
+        """Copy the staged weights into the served model (call between engine steps); returns tensors copied."""
+        if not self.ready:
+            raise RuntimeError("no staged weights to apply")
+        self._check()  # before the first copy: a failure leaves the served weights whole
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for m, s in self.pairs:
+            for kind in ("_parameters", "_buffers"):
+                for k, t in getattr(m, kind).items():
+                    if t is not None and t.numel() and id(t) not in seen:
+                        seen.add(id(t))
+                        dst.append(t.data)
+                        src.append(getattr(s, kind)[k].data)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        for m, attrs in self.rebound:
+            m.__dict__.update(attrs)
+        self.ready = False
+        return len(dst)
