@@ -1,6 +1,6 @@
 """How long a weight push stalls generation: swap mode "inplace" (staged or not) vs "drain", in engine steps.
 
-    python bench/bench_swap.py                           # the embedded tiny model, 16 slots, 8 pushes
+    python bench/bench_swap.py                           # the embedded tiny model, 16 slots, 12 pushes
     python bench/bench_swap.py --model DIR --slots 64 --max-new-tokens 128 --pushes 12 --threads 2
 
 The rollout service's own RolloutEngine and VllmBackend run in this process (no gRPC: the swap is the same
@@ -9,17 +9,18 @@ another (the next as soon as the last finished), as a trainer sampling ahead doe
 (LoadWeights of alternating checkpoints, the three modes taking turns, so all see the same load) come
 every `--every-s` seconds. The backend streams tokens (DELTA outputs) only to time them.
 
-Per sample, the gap between two consecutive generated tokens is one engine step in steady state (a gap never
-spans two samples, so no prefill of the sample is in it; prefills of other samples batched into a step are).
-Printed per mode:
-- step: the median gap over all gaps that do not overlap a push;
-- stall: per push, the longest gap of any slot that overlaps the push (from the call to its return);
-- stall / step, per push (median and max), with apply_s and drain_s as the engine reports them and the
-  worker's own time inside apply_s (the copy of the staged tensors, or vLLM's reload_weights).
+Two gaps are timed: between two consecutive tokens of one sample (one engine step in steady state; it never
+spans two samples, so no prefill of its own is in it: how long the samples in flight were held up), and between
+two consecutive tokens of one slot across its samples (also the time a slot waits for a new sample to start: what
+a drain costs). Printed per mode and push, and per mode (median and max over pushes) with the same measure on
+windows of the same length without a push (the noise floor), in units of one engine step (the median gap within
+a sample away from pushes); with the staging time (generation goes on), the worker's copy (staged) or reload
+(inplace, drain) and the drain. Staged pushes also print the slices and the longest one (the most any engine
+step was held back by the staging) and the workers' apply reports.
 The issue's target: a push stalls generation by at most one engine step, i.e. the longest gap around a push is
-at most two steps (stall/step <= 2). "staged" (inplace with --stage-weights, the default) loads the new
-weights into a shadow model in a worker thread while generation goes on (stage_s) and stalls for the copy
-alone; "inplace" (--stage-weights false) for pause + vLLM's reload + resume; "drain" for the drain as well.
+at most two steps. "staged" (inplace with --stage-weights, the default) loads the new weights into a shadow
+model in slices between engine steps while generation goes on and stalls for the copy alone; "inplace"
+(--stage-weights false) for pause + vLLM's reload + resume; "drain" for the drain as well.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ async def run(args: argparse.Namespace) -> None:
     from rollout_service.vllm_backend import VllmBackend, _sampled_logprobs
 
     token_times: dict[str, list[float]] = defaultdict(list)  # sample -> arrival time of each generated token
+    slot_times: dict[str, list[float]] = defaultdict(list)  # slot -> the same across its samples
 
     class TimedBackend(VllmBackend):
         """The service's backend, with DELTA outputs so that every token's arrival is timed."""
@@ -99,7 +101,7 @@ async def run(args: argparse.Namespace) -> None:
 
             params = self._sampling_params(spec, seed)
             params.output_kind = RequestOutputKind.DELTA
-            slot = request_id  # one key per sample: a gap never spans two samples (no prefill in it)
+            slot = request_id.split("-", 1)[0]
             ids: list[int] = []
             lps: list[float] = []
             finish = "abort"
@@ -107,7 +109,8 @@ async def run(args: argparse.Namespace) -> None:
             async for out in self._llm.generate(prompt, params, request_id=request_id):
                 c = out.outputs[0]
                 now = time.perf_counter()
-                token_times[slot].extend([now] * len(c.token_ids))
+                token_times[request_id].extend([now] * len(c.token_ids))
+                slot_times[slot].extend([now] * len(c.token_ids))
                 ids += list(c.token_ids)
                 lps += _sampled_logprobs(c.logprobs, list(c.token_ids))
                 finish = c.finish_reason or finish
@@ -136,48 +139,57 @@ async def run(args: argparse.Namespace) -> None:
         mode = MODES[k % len(MODES)]
         engine.swap_mode = "drain" if mode == "drain" else "inplace"
         backend.stage_weights = mode == "staged"
-        backend.last_stage_s = 0.0
+        backend.last_stage_s = backend.last_max_slice_s = 0.0
+        backend.last_stage_slices = 0
         t0 = time.perf_counter()
         r = await engine.load_weights(str(ckpts[(k + 1) % 2]), engine.version + 1)
         pushes.append((mode, t0, time.perf_counter(), r.apply_s, r.drain_s, backend.last_reload_s,
                        backend.last_stage_s))
+        if mode == "staged":
+            print(f"  staged push {k}: {backend.last_stage_slices} slices, longest "
+                  f"{backend.last_max_slice_s * 1e3:.2f} ms; apply {backend.last_apply}")
         await asyncio.sleep(args.every_s)
     stop.set()
     await asyncio.gather(*tasks)
     backend.shutdown()
 
-    gaps = [(a, b) for ts in token_times.values() for a, b in zip(ts, ts[1:], strict=False) if b > a]
-    quiet = [b - a for a, b in gaps if not any(b > t0 and a < t1 for _, t0, t1, *_ in pushes)]
     if backend.stage_failures:
         print("the staged swap fell back to pause + reload (see the warning above): no staged numbers")
+    sample_gaps = _gaps(token_times.values())
+    slot_gaps = _gaps(slot_times.values())
+    quiet = [y - x for x, y in sample_gaps if not any(y > t0 and x < t1 for _, t0, t1, *_ in pushes)]
     step = statistics.median(quiet)
     tokens = sum(len(ts) for ts in token_times.values())
     print(f"model {settings.model}, {args.slots} slots, {args.max_new_tokens} new tokens, {args.threads} threads: "
           f"{tokens} tokens, engine step (median token gap) {step * 1e3:.2f} ms")
     for mode in MODES:
-        ratios, applies, drains = [], [], []
-        for m, t0, t1, apply_s, drain_s, worker_s, stage_s in pushes:
-            if m != mode:
-                continue
-            stall = max((b - a for a, b in gaps if b > t0 and a < t1), default=0.0)
-            ratios.append(stall / step)
-            applies.append(apply_s)
-            drains.append(drain_s)
-            print(f"  {mode:7s} push: stall {stall * 1e3:8.2f} ms = {stall / step:6.2f} steps "
-                  f"(apply {apply_s * 1e3:.2f} ms: staging {stage_s * 1e3:.2f} ms while generating, the "
-                  f"worker's copy/reload {worker_s * 1e3:.2f} ms; drain {drain_s * 1e3:.2f} ms)")
-        if not ratios:
+        mine = [p for p in pushes if p[0] == mode]
+        if not mine:
             continue
-        # the same measure on windows of the same lengths without a push (half-way to the next push): what
-        # the longest gap is anyway, from prefills of new samples and the load of the machine
-        controls = [max((b - a for a, b in gaps if b > c and a < c + (t1 - t0)), default=0.0) / step
-                    for m, t0, t1, *_ in pushes if m == mode
-                    for c in [t1 + args.every_s / 2] if c + (t1 - t0) < t1 + args.every_s]
-        print(f"{mode:7s}: stall/step median {statistics.median(ratios):.2f}, max {max(ratios):.2f}; "
-              f"apply median {statistics.median(applies) * 1e3:.2f} ms, drain median "
-              f"{statistics.median(drains) * 1e3:.2f} ms; the same windows without a push: median "
-              f"{statistics.median(controls) if controls else float('nan'):.2f}, "
-              f"max {max(controls) if controls else float('nan'):.2f}")
+        for _, t0, t1, _apply_s, drain_s, worker_s, stage_s in mine:
+            print(f"  {mode:7s} push: longest gap in a sample {_longest(sample_gaps, t0, t1) / step:6.2f} steps, "
+                  f"of a slot {_longest(slot_gaps, t0, t1) / step:6.2f} steps (push {(t1 - t0) * 1e3:.1f} ms: staging "
+                  f"{stage_s * 1e3:.1f} ms while generating, the worker's copy/reload {worker_s * 1e3:.2f} ms, "
+                  f"drain {drain_s * 1e3:.1f} ms)")
+        for name, gaps in (("in a sample", sample_gaps), ("of a slot", slot_gaps)):
+            ratios = [_longest(gaps, t0, t1) / step for _, t0, t1, *_ in mine]
+            # the same measure on windows of the same lengths without a push (half-way to the next push):
+            # what the longest gap is anyway (prefills batched in, the load of the machine)
+            controls = [_longest(gaps, c, c + t1 - t0) / step for _, t0, t1, *_ in mine
+                        for c in [t1 + args.every_s / 2] if c + (t1 - t0) < t1 + args.every_s]
+            print(f"{mode:7s}: longest gap {name} / step: median {statistics.median(ratios):.2f}, max "
+                  f"{max(ratios):.2f}; same windows without a push: median "
+                  f"{statistics.median(controls) if controls else float('nan'):.2f}, "
+                  f"max {max(controls) if controls else float('nan'):.2f}")
+
+
+def _gaps(series) -> list[tuple[float, float]]:  # noqa: ANN001
+    return [(x, y) for ts in series for x, y in zip(ts, ts[1:], strict=False) if y > x]
+
+
+def _longest(gaps: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """The longest gap overlapping [t0, t1]."""
+    return max((y - x for x, y in gaps if y > t0 and x < t1), default=0.0)
 
 
 def main() -> None:

@@ -33,6 +33,9 @@ from types import MethodType
 from typing import Any
 
 import torch
+from vllm.model_executor.model_loader.reload.inplace import reload_weights
+from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, get_layerwise_info
+from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 
 # module attributes that are the module's structure, not state a reload re-binds
 _STRUCTURE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"})
@@ -41,8 +44,6 @@ _STRUCTURE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_
 def _bind_to(tensor: torch.Tensor, old: Any, new: torch.nn.Module) -> torch.Tensor:
     """A copy of a (meta) metadata tensor whose methods bound to `old` (the served layer or vLLM's
     sentinel) are bound to `new` instead."""
-    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
-
     out = tensor.data.to("meta") if tensor.device.type != "meta" else tensor.data.detach()
     out.__class__ = tensor.__class__
     out.__dict__ = tensor.__dict__.copy()
@@ -56,8 +57,6 @@ class ShadowModel:
     """A shadow of `live` (the served vLLM model) for staged reloads; see the module docstring."""
 
     def __init__(self, live: torch.nn.Module, checkpoint: Callable[[], None] = lambda: None) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, get_layerwise_info
-
         self.live = live
         self.pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         clones: dict[int, torch.Tensor] = {}  # id(served tensor) -> its clone: shared tensors stay shared
@@ -109,10 +108,10 @@ class ShadowModel:
                     total += t.numel() * t.element_size()
         return total
 
-    def stage(self, vllm_config: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load `weights` (checkpoint format) into the shadow; returns the number of tensors read."""
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
+    def stage(self, vllm_config: Any, weights: Iterable[tuple[str, torch.Tensor]],
+              checkpoint: Callable[[], None] = lambda: None) -> int:
+        """Load `weights` (checkpoint format) into the shadow; returns the number of tensors read.
+        `checkpoint` is called between layers while they are prepared (the caller may park the thread)."""
         t0 = time.perf_counter()
         self.ready = False
         before = [(m, s, dict(s.__dict__)) for m, s in self.pairs]
@@ -125,8 +124,10 @@ class ShadowModel:
                 yield item
 
         with torch.no_grad():
+            self._initialize_layers(checkpoint)
             reload_weights(vllm_config, self.model, weights_iterator=counted(), weights_path=None,
                            is_checkpoint_format=True)
+        checkpoint()
         self.rebound = []
         for m, s, old in before:
             changed = {k: v for k, v in s.__dict__.items()
@@ -134,10 +135,34 @@ class ShadowModel:
                        and (k not in old or old[k] is not v)}
             if changed:
                 self.rebound.append((m, changed))
+        checkpoint()
         self._check()
         self.ready = True
         self.stage_s = time.perf_counter() - t0
         return count
+
+    def _initialize_layers(self, checkpoint: Callable[[], None]) -> None:
+        """vLLM's `initialize_layerwise_reload` layer by layer, with a checkpoint between layers (it skips
+        layers that are initialized already, so `reload_weights` then only loads): one long stretch of
+        work fewer between two checkpoints. Without those vLLM internals, `reload_weights` does it at once."""
+        try:
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                get_layerwise_info,
+                initialize_online_processing,
+            )
+            from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+            from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+        except ImportError:
+            return
+        for layer in self.model.modules():
+            checkpoint()
+            info = get_layerwise_info(layer)
+            if info.can_load():
+                continue
+            info.kernel_tensors = get_layer_params_buffers(layer)
+            info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+            restore_layer_on_meta(layer, info)
+            initialize_online_processing(layer)
 
     def _check(self) -> None:
         for m, s in self.pairs:

@@ -50,6 +50,9 @@ class VllmBackend:
         self._epoch = 0  # reloads so far: the prefix-cache salt of new requests
         self.last_reload_s = 0.0  # the slowest worker's own time for the last reload (bench_swap's breakdown)
         self.last_stage_s = 0.0  # staged swaps: the background load before the apply (generation goes on)
+        self.last_stage_slices = 0  # ... in how many slices between engine steps
+        self.last_max_slice_s = 0.0  # ... the longest of them (what one engine step was delayed by at most)
+        self.last_apply: list[dict[str, Any]] = []  # the workers' apply reports
         self.stage_weights = bool(getattr(settings, "stage_weights", False))
         self.stage_slice_ms = float(getattr(settings, "stage_slice_ms", 2.0))
         self.stage_failures = 0
@@ -110,6 +113,15 @@ class VllmBackend:
         }
         backend = cls(llm, settings, engine_settings)
         del llm  # the backend owns the engine; see shutdown()
+        if backend.stage_weights:  # the second copy of the weights, made before any sample runs
+            try:
+                shadow = await backend._llm.collective_rpc("forkrl_prepare_shadow")
+                log.info("staged swaps: a shadow of the model (%.1f MiB) is ready",
+                         max(r["bytes"] for r in shadow) / 2**20)
+            except Exception as e:  # the pushes will use pause + reload
+                log.warning("staged swaps unavailable (%s: %s): using pause + reload", type(e).__name__, e)
+                backend.stage_weights = False
+                backend.engine_settings["stage_weights"] = False
         return backend
 
     def encode(self, text: str) -> list[int]:
@@ -181,6 +193,9 @@ class VllmBackend:
                 results = await self._llm.collective_rpc("forkrl_apply_staged")
                 self.last_reload_s = max(float(r["seconds"]) for r in results)
                 self.last_stage_s = stage_s
+                self.last_stage_slices = max(int(r["slices"]) for r in results)
+                self.last_apply = results
+                self.last_max_slice_s = max(float(r["max_slice_s"]) for r in results)
                 self.last_route = "staged"
                 # The apply's reply precedes every output of later engine steps on the output channel, so
                 # the version is committed before the service sees any token sampled by the new weights.

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from forkrl.weights.safetensors import _ST_DTYPES, checkpoint_files, iter_safetensors, read_header
+from rollout_service.shadow import ShadowModel  # imported with the worker: no import inside a staging slice
 
 # bf16 engines on CPU die with SIGILL inside the attention kernels unless AMX tiles were requested for
 # the process before first use; the worker imports this module at start-up, which is early enough.
@@ -60,6 +61,13 @@ class WeightReloadExtension:
     # waits, then the staging thread parks itself at the next checkpoint (the next checkpoint tensor, the next
     # module cloned). The two threads never run Python at once, so the engine's steps do not fight for the GIL:
     # each step is delayed by at most one slice (plus the one tensor or layer in progress when it ends).
+    def forkrl_prepare_shadow(self) -> dict[str, Any]:
+        """Build the shadow model now (at start-up), so the first push's slices do not include it."""
+        state = _staging(self)
+        if state["shadow"] is None:
+            state["shadow"] = ShadowModel(self.model_runner.get_model())  # type: ignore[attr-defined]
+        return {"bytes": state["shadow"].nbytes()}
+
     def forkrl_stage_safetensors(self, path: str, slice_s: float) -> dict[str, Any]:
         """Prepare a staged load of `path`; the work happens in the slices `forkrl_stage_status` grants."""
         state = _staging(self)
@@ -67,13 +75,27 @@ class WeightReloadExtension:
             raise RuntimeError("a staged reload is already in progress")
         go, parked = threading.Event(), threading.Event()
         state.update(status="running", error="", tensors=0, seconds=0.0, slices=0, slice_s=float(slice_s),
-                     go=go, parked=parked, deadline=0.0, last_end=0.0)
+                     go=go, parked=parked, deadline=0.0, last_end=0.0,
+                     max_slice_s=0.0)
 
-        def checkpoint() -> None:  # in the staging thread: park once the slice is used up
-            if time.perf_counter() >= state["deadline"]:
+        # the time of the last checkpoint, the longest stretch between two so far, stretches in this slice
+        last = {"at": 0.0, "longest": 0.0, "done": 0}
+
+        def checkpoint() -> None:
+            """In the staging thread: park when the next stretch of work (as long as the longest so far)
+            would end after the slice's deadline, so a slice rarely outlasts its budget; every slice does
+            at least one stretch, so staging always moves on."""
+            now = time.perf_counter()
+            if last["at"]:
+                last["longest"] = max(last["longest"], now - last["at"])
+                last["done"] += 1
+            if last["done"] and now + last["longest"] >= state["deadline"]:
                 go.clear()
                 parked.set()
                 go.wait()
+                now = time.perf_counter()
+                last["done"] = 0
+            last["at"] = now
 
         def work() -> None:
             go.wait()
@@ -85,8 +107,6 @@ class WeightReloadExtension:
                 for f in files:
                     check_data_section(f)
                 if state["shadow"] is None:
-                    from rollout_service.shadow import ShadowModel
-
                     state["shadow"] = ShadowModel(self.model_runner.get_model(),  # type: ignore[attr-defined]
                                                   checkpoint=checkpoint)
 
@@ -95,7 +115,7 @@ class WeightReloadExtension:
                         checkpoint()
                         yield item
 
-                tensors = state["shadow"].stage(self.vllm_config, weights())  # type: ignore[attr-defined]
+                tensors = state["shadow"].stage(self.vllm_config, weights(), checkpoint)  # type: ignore[attr-defined]
                 state.update(status="ready", tensors=tensors, seconds=time.perf_counter() - start)
             except BaseException as e:  # reported by forkrl_stage_status; the served model was not touched
                 state.update(status="failed", error=f"{type(e).__name__}: {e}")
@@ -116,11 +136,16 @@ class WeightReloadExtension:
             state["parked"].clear()
             state["deadline"] = time.perf_counter() + state["slice_s"]
             state["slices"] += 1
+            # the engine's output thread is likely sending the last step's tokens now: let it have the GIL
+            # first, or they wait for the slice's end (the staging thread would hold the GIL)
+            time.sleep(OUTPUT_GRACE_S)
+            began = time.perf_counter()
             state["go"].set()
             if not state["parked"].wait(STAGE_SLICE_TIMEOUT_S):
                 state.update(status="failed", error=f"a staging slice did not end within {STAGE_SLICE_TIMEOUT_S} s")
             state["last_end"] = time.perf_counter()
-        return {k: state[k] for k in ("status", "error", "tensors", "seconds", "slices")}
+            state["max_slice_s"] = max(state["max_slice_s"], state["last_end"] - began)
+        return {k: state[k] for k in ("status", "error", "tensors", "seconds", "slices", "max_slice_s")}
 
     def forkrl_apply_staged(self) -> dict[str, Any]:
         """Copy the staged weights into the served model; runs between two engine steps."""
@@ -129,22 +154,25 @@ class WeightReloadExtension:
             raise RuntimeError(f"no staged weights to apply (staging {state['status']}: {state['error']})")
         start = time.perf_counter()
         copied = state["shadow"].apply()
+        copy_s = time.perf_counter() - start
         runner = self.model_runner  # type: ignore[attr-defined]
         for reset in ("reset_encoder_cache", "reset_mm_cache"):  # what vLLM's reload_weights also drops
             if hasattr(runner, reset):
                 getattr(runner, reset)()
         state["status"] = "idle"
-        return {"tensors": copied, "seconds": time.perf_counter() - start, "stage_seconds": state["seconds"],
-                "slices": state["slices"]}
+        return {"tensors": copied, "seconds": time.perf_counter() - start, "copy_seconds": copy_s,
+                "stage_seconds": state["seconds"],
+                "slices": state["slices"], "max_slice_s": state["max_slice_s"]}
 
 
+OUTPUT_GRACE_S = 0.0003
 STAGE_SLICE_TIMEOUT_S = 600.0  # one tensor (or one layer's processing) that takes longer is a hang
 
 
 def _staging(worker: Any) -> dict[str, Any]:
     if not hasattr(worker, "_forkrl_staging"):
         worker._forkrl_staging = {"thread": None, "shadow": None, "status": "idle", "error": "", "tensors": 0,
-                                  "seconds": 0.0, "slices": 0}
+                                  "seconds": 0.0, "slices": 0, "max_slice_s": 0.0}
     return worker._forkrl_staging
 
 
