@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-prompts", type=int, default=512)
     p.add_argument("--eval-every", type=int, default=50, help="0 = before and after only")
-    p.add_argument("--task", default="", help="built-in task (default sum3; countdown: a task with real forks)")
+    p.add_argument("--task", default="", help="built-in task (default countdown; sum3: a short chain)")
     p.add_argument("--data-dir", type=Path, default=REPO_ROOT / "runs" / "bench-learning")
     p.add_argument("--out", type=Path, default=None, help="results JSON (default: <data-dir>/results.json)")
     p.add_argument("--plot", type=Path, default=None,
@@ -172,7 +172,9 @@ def _run_one(stub, stack, args: argparse.Namespace, model: Path, arm: str, seed:
 
 def settings(args: argparse.Namespace) -> dict:
     """What every arm of one invocation shares (printed as the title; kept in each result for --merge)."""
-    return {"task": args.task or "sum3", "loss": args.loss, "steps": args.num_steps,
+    from forkrl.data.tasks import DEFAULT_TASK
+
+    return {"task": args.task or DEFAULT_TASK, "loss": args.loss, "steps": args.num_steps,
             "prompts_per_step": args.prompts_per_step, "group_size": args.group_size, "lr": args.lr,
             "eval_prompts": args.eval_prompts}
 

@@ -52,9 +52,9 @@ def model_dir(arg: str | None) -> Path:
 
 
 def prompts(count: int) -> list[str]:
-    from forkrl.data.tasks import make_split
+    from forkrl.data.tasks import DEFAULT_TASK, make_split
 
-    return [p.prompt for p in make_split("sum3", "eval", count, seed=0)]
+    return [p.prompt for p in make_split(DEFAULT_TASK, "eval", count, seed=0)]
 
 
 async def inprocess_round(backend, prompt_ids: list[list[int]], args: argparse.Namespace, seed: int) -> int:

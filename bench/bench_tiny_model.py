@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from forkrl.data.tasks import make_split
+    from forkrl.data.tasks import DEFAULT_TASK, make_split
     from forkrl.models.tiny import default_model_dir, evaluate_accuracy, load_model_and_tokenizer, read_build_record
     from tests.numerics import float32_logprob_bound, logprob_parity, reference_logprobs
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tok = load_model_and_tokenizer(model_dir)
     m64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-    problems = make_split("sum3", "eval", 1024, seed=2)
+    problems = make_split(record.get("config", {}).get("task", DEFAULT_TASK), "eval", 1024, seed=2)
     t1 = evaluate_accuracy(model, problems, tokenizer=tok, temperature=1.0, seed=123).accuracy
     greedy = evaluate_accuracy(model, problems, tokenizer=tok, temperature=0.0).accuracy
     grouped = evaluate_accuracy(model, problems[:256], tokenizer=tok, n_samples=8, seed=7).per_problem
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_err = max(float((reference_logprobs(model, p_, c, temperature)[0]
                             - reference_logprobs(m64, p_, c, temperature)[0]).abs().max()) for p_, c in seqs)
         assert bound == float32_logprob_bound(seqs, model, m64, temperature)
-        rows.append({"temperature": temperature, "prompts": "sum3" if prompt_set is prompts else "hello world",
+        rows.append({"temperature": temperature, "prompts": "task" if prompt_set is prompts else "hello world",
                      "tokens": sum(len(c) for _, c in seqs), "vllm_vs_exact": worst, "hf32_vs_exact": hf_err,
                      "bound": bound})
     print(f"{'T':>4} {'prompts':>12} {'tokens':>7} {'vLLM-exact':>11} {'HF32-exact':>11} {'bound':>9} {'margin':>7}")

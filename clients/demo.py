@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO_ROOT))
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python clients/demo.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--num-steps", type=int, default=300, help="RL steps")
+    p.add_argument("--num-steps", type=int, default=200, help="RL steps")
     p.add_argument("--entropy-top-frac", type=float, default=0.2, help="forking-token fraction (1.0 = all tokens)")
     p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")

@@ -4,7 +4,7 @@
 # checkpoints, print before/after numbers (the gain with a bootstrap 95% interval over eval prompts) and grad norms
 # by entropy bin, write the training curve PNG, stop everything.
 #
-#   bash scripts/demo.sh                      # defaults: 300 steps, ~5-9 min after setup on 2 cores
+#   bash scripts/demo.sh                      # defaults: countdown, 200 steps, ~5-7 min after setup on 2 cores
 #   bash scripts/demo.sh --seed 1             # another seed (data order, sampling, eval prompts)
 #   bash scripts/demo.sh --num-steps 100      # extra arguments go to clients/demo.py
 set -euo pipefail

@@ -1,20 +1,20 @@
 """Built-in synthetic tasks with a verifiable answer, used by the embedded tiny model.
 
-`sum3` (the default) is a three-number sum written out with its partial result:
+`countdown` (the default; forkrl/data/countdown.py) is a task with real forks: reach a target from three
+numbers, writing each step:
 
-    prompt      "47+85+6="
-    completion  "132+6=138"      (then EOS)
-    answer      "138"
+    prompt      "3 7 4->25:"
+    completion  "7*3=21,21+4=25"      (then EOS)
+    answer      "25"
 
-The partial sum gives the answer a short chain of intermediate tokens. The prototype's two-number sum
-(`add2`, kept here for small tests) had answers two or three tokens long, which leaves the top-20%
-entropy mask almost nothing to choose from (tiny-rl-notes.md). Each operand has one or two digits with
-equal chance, so problems range from "1+2+3=" to ones with a carry in both additions: groups of samples
-come out all right, all wrong and mixed.
+Which numbers and which operator to use are decisions ("choice" tokens), the results follow from them
+("computed"). Its reward is `countdown` (any valid solution scores). It became the default because RL learns
+more on it at the same budget (README, "The embedded default") and because its forks are decisions.
 
-`countdown` (forkrl/data/countdown.py, `--task countdown`) is a task with real forks: reach a target from
-three numbers, writing each step (`3 7 4->25:` → `7*3=21,21+4=25`); which numbers and operator to use are
-decisions, the results follow from them. Its reward is `countdown` (any valid solution scores).
+`sum3` is a three-number sum written out with its partial result (`47+85+6=` → `132+6=138`, answer `138`):
+a short chain of computed tokens, almost nothing to decide. The prototype's two-number sum (`add2`, kept for
+small tests) had answers two or three tokens long, which leaves the top-20% entropy mask almost nothing to
+choose from (tiny-rl-notes.md).
 
 Every task labels its answer tokens (`token_classes`: choice, computed, copied, separator, eos, other) so
 that training can show which classes the forking-token mask keeps (forkrl/training/metrics.py).
@@ -43,7 +43,7 @@ __all__ = [
     "iter_problems", "make_split", "split_of", "token_classes",
 ]
 
-DEFAULT_TASK = "sum3"
+DEFAULT_TASK = "countdown"
 SPLITS = ("train", "eval")
 EVAL_BUCKETS = 10  # one bucket in ten is the eval split
 

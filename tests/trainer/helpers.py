@@ -61,20 +61,21 @@ def kept_bounds(response_tokens: float, micro_batches: float, rho_num: int = 1, 
 def trainer_rollout_logp_ceiling(model_dir: Path, temperature: float = 1.0) -> float:
     """How far the trainer's float32 log-probs (HF, a padded batch) and the rollout's (vLLM) may be apart
     for the same policy: each lies within `float32_logprob_bound` of the exact value, computed here on
-    sum3 completions of this model (the runs' policies differ from it by a few small updates, which do not
-    change the size of float32 rounding). Twice the bound: one for each side."""
+    completions of this model on the default task (the runs' policies differ from it by a few small updates,
+    which do not change the size of float32 rounding). Twice the bound: one for each side."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from forkrl.data.tasks import make_split
+    from forkrl.data.tasks import DEFAULT_TASK, get_task, make_split
     from forkrl.models.tiny import sample_completions
     from tests.numerics import float32_logprob_bound
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     m32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     m64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-    prompts = [p.prompt for p in make_split("sum3", "eval", 32, seed=3)]
-    completions = sample_completions(m32, tok, prompts, temperature=temperature, n_samples=2, max_new_tokens=11)
+    prompts = [p.prompt for p in make_split(DEFAULT_TASK, "eval", 32, seed=3)]
+    completions = sample_completions(m32, tok, prompts, temperature=temperature, n_samples=2,
+                                     max_new_tokens=get_task(DEFAULT_TASK).max_new_tokens)
     seqs = [
         (tok(p).input_ids, tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id])
         for p, cs in zip(prompts, completions, strict=True) for c in cs

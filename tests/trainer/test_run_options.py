@@ -144,18 +144,21 @@ def _perturbed_copy(model_dir: Path, out: Path) -> Path:
 
 
 def _max_logp_gap(a: Path, b: Path) -> float:
-    """max |logp_a - logp_b| over greedy sum3 completions of model a (teacher-forced in both, float32)."""
+    """max |logp_a - logp_b| over greedy completions of model a on the default task (teacher-forced in both,
+    float32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from forkrl.data.tasks import make_split
+    from forkrl.data.tasks import DEFAULT_TASK, get_task, make_split
     from forkrl.models.tiny import sample_completions
     from tests.numerics import reference_logprobs
 
     tok = AutoTokenizer.from_pretrained(a)
     ma, mb = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in (a, b))
-    prompts = [p.prompt for p in make_split("sum3", "eval", 16, seed=3)]
+    prompts = [p.prompt for p in make_split(DEFAULT_TASK, "eval", 16, seed=3)]
     gap = 0.0
-    for p, (c,) in zip(prompts, sample_completions(ma, tok, prompts, temperature=0.0, max_new_tokens=11), strict=True):
+    max_new = get_task(DEFAULT_TASK).max_new_tokens
+    for p, (c,) in zip(prompts, sample_completions(ma, tok, prompts, temperature=0.0, max_new_tokens=max_new),
+                       strict=True):
         ids = (tok(p).input_ids, tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id])
         gap = max(gap, float((reference_logprobs(ma, *ids, 1.0)[0] - reference_logprobs(mb, *ids, 1.0)[0]).abs().max()))
     return gap

@@ -110,12 +110,13 @@ def test_generator_is_deterministic_and_its_references_are_valid():
     assert exact_match(["5"], [p]).rewards == [1.0] and countdown_reward(["5"], [p]).rewards == [0.0]
 
 
-def test_registered_beside_the_default_task():
-    assert DEFAULT_TASK == "sum3" and get_task("countdown").reward == "countdown"
+def test_registered_as_the_default_task():
+    assert DEFAULT_TASK == "countdown" and get_task("countdown").reward == "countdown"
     assert get_task("sum3").reward == get_task("add2").reward == "exact_match"
     assert resolve(RunConfig(task="countdown")).reward == "countdown"
     assert resolve(RunConfig(task="countdown")).max_new_tokens == 16
-    assert resolve(RunConfig()).reward == "exact_match" and resolve(RunConfig()).task == "sum3"
+    assert resolve(RunConfig()).reward == "countdown" and resolve(RunConfig()).task == "countdown"
+    assert resolve(RunConfig(task="sum3")).reward == "exact_match"
     assert resolve(RunConfig(task="countdown", reward="exact_match")).reward == "exact_match"
 
 

@@ -144,7 +144,7 @@ def test_load_problems_split_placeholder_uses_whole_files(tmp_path):
 def test_load_problems_picks_task_or_dataset(tmp_path, monkeypatch):
     monkeypatch.delenv(DATASET_ENV, raising=False)
     assert load_problems(task="sum3", split="eval", n=5, seed=0) == make_split("sum3", "eval", 5, 0)
-    assert load_problems(split="eval", n=5, seed=0) == make_split("sum3", "eval", 5, 0)  # the default task
+    assert load_problems(split="eval", n=5, seed=0) == make_split("countdown", "eval", 5, 0)  # the default task
     path = str(_many(tmp_path))
     monkeypatch.setenv(DATASET_ENV, path)
     assert load_problems(split="train", n=4) == load_problems(dataset=path, split="train", n=4)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from forkrl.data.tasks import DEFAULT_TASK, get_task
 from forkrl.probe.checkpoints import CheckpointNotFound, PathNotFound, ProbeInputError
 from forkrl.probe.job import DATASET_MAX_NEW_TOKENS, plan_probe
 from forkrl.probe.params import ProbeParams
@@ -42,7 +43,7 @@ def test_order_labels_and_paths(run: Path, tmp_path: Path):
     assert [c.step for c in plan.checkpoints] == [None, 5, 80, None, None]
     assert plan.checkpoints[1].path == run.resolve() / "step_000005"
     assert plan.base_model == base.resolve()
-    assert (plan.task, plan.dataset, plan.reward) == ("sum3", "", "exact_match")
+    assert (plan.task, plan.dataset, plan.reward) == (DEFAULT_TASK, "", get_task(DEFAULT_TASK).reward)
 
 
 def test_missing_steps_carry_the_available_ones(run: Path):

@@ -7,8 +7,8 @@ import pytest
 from forkrl.data.tasks import DEFAULT_TASK, TASKS, Problem, extract_answer, get_task, make_split, split_of
 
 
-def test_default_task_is_sum3():
-    assert DEFAULT_TASK == "sum3"
+def test_default_task_is_countdown():
+    assert DEFAULT_TASK == "countdown"
     assert DEFAULT_TASK in TASKS
 
 

@@ -47,13 +47,16 @@ def _trajectory(text: str, finish_reason: int = 1, version: int = 0, last_versio
                            last_policy_version=version if last_version is None else last_version)
 
 
+TASK = "sum3"  # ScriptedRollouts computes sum3 answers from the prompt
+
+
 def _cfg(**kw) -> RunConfig:
-    return RunConfig(**{"prompts_per_step": 4, "group_size": 3, "max_new_tokens": 8, "seed": 5, **kw})
+    return RunConfig(**{"task": TASK, "prompts_per_step": 4, "group_size": 3, "max_new_tokens": 8, "seed": 5, **kw})
 
 
 @pytest.fixture
 def data() -> DataOrder:
-    return DataOrder(make_split(DEFAULT_TASK, "train", 40, seed=0), seed=1)
+    return DataOrder(make_split(TASK, "train", 40, seed=0), seed=1)
 
 
 def test_without_dynamic_sampling_one_round_keeps_every_group(data: DataOrder) -> None:
@@ -165,7 +168,7 @@ def _model_dir(tmp_path: Path) -> Path:
 def test_resolve_fills_the_environment_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FORKRL_MODEL_DIR", str(tmp_path / "m"))
     cfg = resolve(RunConfig())
-    assert (cfg.model, cfg.task, cfg.reward) == (str(tmp_path / "m"), DEFAULT_TASK, "exact_match")
+    assert (cfg.model, cfg.task, cfg.reward) == (str(tmp_path / "m"), DEFAULT_TASK, get_task(DEFAULT_TASK).reward)
     assert cfg.max_new_tokens == get_task(DEFAULT_TASK).max_new_tokens
     ds = resolve(RunConfig(dataset="/d.jsonl", max_new_tokens=0))
     assert (ds.task, ds.reward, ds.max_new_tokens) == ("", "math_verify", 1024)
@@ -216,7 +219,7 @@ def test_untie_drops_tensors_that_share_storage() -> None:
 def test_evaluate_per_prompt_accuracies_average_to_the_totals() -> None:
     from forkrl.training.scoring import evaluate
 
-    problems = make_split(DEFAULT_TASK, "eval", 3, seed=0)
+    problems = make_split(TASK, "eval", 3, seed=0)
     # T=1 (call 0, 4 samples): prompt i has i + 1 right samples; greedy (call 1): only prompt 1 is right
     rollouts = ScriptedRollouts(lambda c, i, j: j <= i if c == 0 else i == 1)
     per_prompt: dict[str, list[float]] = {}
