@@ -56,8 +56,8 @@ class RolloutSettings(TokenSettings):
     """Swap mode inplace: load pushed weights into a shadow copy of the model in slices between engine steps
     while generation goes on (stage_slice_ms each), then copy them in between two engine steps, so a push
     delays no step by more than a slice or the copy (rollout_service/shadow.py). Costs a second copy of the
-    weights in the worker. false: pause the engine, run vLLM's reload, resume (generation stalls for the
-    whole reload)."""
+    weights in the worker. Used while samples are running; an idle engine (a sync trainer's push) is reloaded
+    directly. false: pause the engine, run vLLM's reload, resume (generation stalls for the whole reload)."""
     stage_slice_ms: float = Field(2.0, gt=0)
     """stage_weights: the longest stretch of staging work run between two engine steps (the staging takes
     as many steps as it needs; a smaller slice delays each step less and the push completes later)."""
