@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from forkrl.data.tasks import extract_answer, make_split
+from forkrl.data.tasks import extract_answer, get_task, make_split
 from forkrl.models.tiny import (
     BUILD_RECORD,
     MODEL_FILE,
@@ -181,8 +181,9 @@ def test_vllm_logprobs_match_hf(vllm_engine, hf, hf64, eval_problems, temperatur
 
     model, tokenizer = hf
     problems = eval_problems[:32]
+    max_tokens = get_task(problems[0].meta["task"]).max_new_tokens
     params = [
-        SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, n=4, max_tokens=11, logprobs=0, seed=i)
+        SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, n=4, max_tokens=max_tokens, logprobs=0, seed=i)
         for i in range(len(problems))
     ]
     outputs = vllm_engine.generate([p.prompt for p in problems], params, use_tqdm=False)
@@ -209,8 +210,9 @@ def test_vllm_greedy_matches_hf_greedy(vllm_engine, hf, eval_problems):
 
     model, tokenizer = hf
     problems = eval_problems[:128]
+    max_tokens = get_task(problems[0].meta["task"]).max_new_tokens  # what evaluate_accuracy uses
     outputs = vllm_engine.generate(
-        [p.prompt for p in problems], SamplingParams(temperature=0.0, max_tokens=11), use_tqdm=False
+        [p.prompt for p in problems], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False
     )
     hf_greedy = evaluate_accuracy(model, problems, tokenizer=tokenizer, temperature=0.0).completions
     same = sum(out.outputs[0].text == cs[0] for out, cs in zip(outputs, hf_greedy, strict=True))
