@@ -2,6 +2,7 @@
 
     python bench/bench_swap.py                           # the embedded tiny model, 16 slots, 12 pushes
     python bench/bench_swap.py --model DIR --slots 64 --max-new-tokens 128 --pushes 12 --threads 2
+    python bench/bench_swap.py --pushes 24 --modes staged --stage-slice-ms 0.5
 
 The rollout service's own RolloutEngine and VllmBackend run in this process (no gRPC: the swap is the same
 code), under an async-RL load: `--slots` concurrent generation slots, each submitting one sample after
@@ -9,14 +10,16 @@ another (the next as soon as the last finished), as a trainer sampling ahead doe
 (LoadWeights of alternating checkpoints, the three modes taking turns, so all see the same load) come
 every `--every-s` seconds. The backend streams tokens (DELTA outputs) only to time them.
 
-Two gaps are timed: between two consecutive tokens of one sample (one engine step in steady state; it never
-spans two samples, so no prefill of its own is in it: how long the samples in flight were held up), and between
-two consecutive tokens of one slot across its samples (also the time a slot waits for a new sample to start: what
-a drain costs). Printed per mode and push, and per mode (median and max over pushes) with the same measure on
-windows of the same length without a push (the noise floor), in units of one engine step (the median gap within
-a sample away from pushes); with the staging time (generation goes on), the worker's copy (staged) or reload
-(inplace, drain) and the drain. Staged pushes also print the slices and the longest one (the most any engine
-step was held back by the staging) and the workers' apply reports.
+Three gaps are timed: between two consecutive tokens of one sample as the engine core stamped them (each
+step's outputs carry its time.monotonic(): what the engine itself held up, whatever the front-end's event loop,
+which also runs this benchmark's samplers, was doing); the same as the tokens arrived here; and between two
+consecutive tokens of one slot across its samples (also the time a slot waits for a new sample to start: what
+a drain costs). A gap within a sample never spans two samples, so no prefill of its own is in it. Printed per
+mode and push, and per mode (median and max over pushes) with the same measure on windows of the same length
+without a push (the noise floor), in units of one engine step (the median engine-stamped gap within a sample
+away from pushes); with the staging time (generation goes on), the worker's copy (staged) or reload (inplace,
+drain) and the drain. Staged pushes also print the slices and the longest one (the most any engine step was
+held back by the staging) and the workers' apply reports.
 The issue's target: a push stalls generation by at most one engine step, i.e. the longest gap around a push is
 at most two steps. "staged" (inplace with --stage-weights, the default) loads the new weights into a shadow
 model in slices between engine steps while generation goes on and stalls for the copy alone; "inplace"
@@ -44,11 +47,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded tiny model)")
     p.add_argument("--slots", type=int, default=16, help="concurrent samples")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--pushes", type=int, default=12, help="pushes in all (a third per mode)")
+    p.add_argument("--pushes", type=int, default=12, help="pushes in all (the modes take turns)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="swap modes to time")
     p.add_argument("--every-s", type=float, default=1.5, help="seconds between pushes")
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=1, help="engine threads")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--stage-slice-ms", type=float, default=None,
+                   help="the longest slice of a staged load between two engine steps (default: the service's)")
     return p.parse_args()
 
 
@@ -84,7 +90,8 @@ async def run(args: argparse.Namespace) -> None:
     from rollout_service.config import RolloutSettings, apply_engine_env
 
     settings = RolloutSettings(model=str(model_dir(args.model)), threads=args.threads, kv_cache_gib=args.kv_cache_gib,
-                               max_num_seqs=max(args.slots, 1))
+                               max_num_seqs=max(args.slots, 1),
+                               **({} if args.stage_slice_ms is None else {"stage_slice_ms": args.stage_slice_ms}))
     apply_engine_env(settings)
     from rollout_service.engine import RolloutEngine
     from rollout_service.types import Completion, SamplingSpec
@@ -108,7 +115,7 @@ async def run(args: argparse.Namespace) -> None:
             prompt = {"type": "token", "prompt_token_ids": prompt_ids, "cache_salt": f"w{self._epoch}"}
             async for out in self._llm.generate(prompt, params, request_id=request_id):
                 c = out.outputs[0]
-                now = time.perf_counter()
+                now = time.monotonic()
                 token_times[request_id].extend([now] * len(c.token_ids))
                 slot_times[slot].extend([now] * len(c.token_ids))
                 ids += list(c.token_ids)
@@ -117,6 +124,20 @@ async def run(args: argparse.Namespace) -> None:
             return Completion(ids, "", lps, finish)
 
     backend = await TimedBackend.start(settings)
+    # The engine core stamps each step's outputs (EngineCoreOutputs.timestamp, time.monotonic() in the engine
+    # core process): gaps between those stamps are what the engine itself held up, whatever the front-end's
+    # event loop (which also runs this benchmark's samplers) was doing when the tokens arrived.
+    engine_times: dict[str, list[float]] = defaultdict(list)  # engine request -> step stamp of each token
+    core = backend._llm.engine_core
+    get_output = core.get_output_async
+
+    async def stamped_outputs():  # noqa: ANN202
+        outputs = await get_output()
+        for o in outputs.outputs:
+            engine_times[o.request_id].extend([outputs.timestamp] * len(o.new_token_ids))
+        return outputs
+
+    core.get_output_async = stamped_outputs
     tmp = Path(tempfile.mkdtemp(prefix="bench-swap-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     ckpts = checkpoints(Path(settings.model), tmp)
     engine = RolloutEngine(backend, staging_dir=tmp / "staging")
@@ -136,14 +157,14 @@ async def run(args: argparse.Namespace) -> None:
     pushes: list[tuple[str, float, float, float, float, float, float]] = []
     await asyncio.sleep(args.warmup_s)
     for k in range(args.pushes):
-        mode = MODES[k % len(MODES)]
+        mode = args.modes[k % len(args.modes)]
         engine.swap_mode = "drain" if mode == "drain" else "inplace"
         backend.stage_weights = mode == "staged"
         backend.last_stage_s = backend.last_max_slice_s = 0.0
         backend.last_stage_slices = 0
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         r = await engine.load_weights(str(ckpts[(k + 1) % 2]), engine.version + 1)
-        pushes.append((mode, t0, time.perf_counter(), r.apply_s, r.drain_s, backend.last_reload_s,
+        pushes.append((mode, t0, time.monotonic(), r.apply_s, r.drain_s, backend.last_reload_s,
                        backend.last_stage_s))
         if mode == "staged":
             print(f"  staged push {k}: {backend.last_stage_slices} slices, longest "
@@ -155,32 +176,35 @@ async def run(args: argparse.Namespace) -> None:
 
     if backend.stage_failures:
         print("the staged swap fell back to pause + reload (see the warning above): no staged numbers")
-    sample_gaps = _gaps(token_times.values())
-    slot_gaps = _gaps(slot_times.values())
-    quiet = [y - x for x, y in sample_gaps if not any(y > t0 and x < t1 for _, t0, t1, *_ in pushes)]
-    step = statistics.median(quiet)
+    gap_sets = {"engine, in a sample": _gaps(engine_times.values()), "client, in a sample": _gaps(token_times.values()),
+                "client, of a slot": _gaps(slot_times.values())}
+
+    def quiet_median(gaps: list[tuple[float, float]]) -> float:
+        return statistics.median(y - x for x, y in gaps if not any(y > t0 and x < t1 for _, t0, t1, *_ in pushes))
+
+    step = quiet_median(gap_sets["engine, in a sample"])
+    client_step = quiet_median(gap_sets["client, in a sample"])
     tokens = sum(len(ts) for ts in token_times.values())
     print(f"model {settings.model}, {args.slots} slots, {args.max_new_tokens} new tokens, {args.threads} threads: "
-          f"{tokens} tokens, engine step (median token gap) {step * 1e3:.2f} ms")
-    for mode in MODES:
+          f"{tokens} tokens; engine step (median gap between a sample's tokens) {step * 1e3:.2f} ms as the engine "
+          f"stamped them, {client_step * 1e3:.2f} ms as they arrived; gaps below in engine steps")
+    for mode in args.modes:
         mine = [p for p in pushes if p[0] == mode]
-        if not mine:
-            continue
         for _, t0, t1, _apply_s, drain_s, worker_s, stage_s in mine:
-            print(f"  {mode:7s} push: longest gap in a sample {_longest(sample_gaps, t0, t1) / step:6.2f} steps, "
-                  f"of a slot {_longest(slot_gaps, t0, t1) / step:6.2f} steps (push {(t1 - t0) * 1e3:.1f} ms: staging "
+            longest = ", ".join(f"{name} {_longest(gaps, t0, t1) / step:5.2f}" for name, gaps in gap_sets.items())
+            print(f"  {mode:7s} push: longest gap: {longest} (push {(t1 - t0) * 1e3:.1f} ms: staging "
                   f"{stage_s * 1e3:.1f} ms while generating, the worker's copy/reload {worker_s * 1e3:.2f} ms, "
                   f"drain {drain_s * 1e3:.1f} ms)")
-        for name, gaps in (("in a sample", sample_gaps), ("of a slot", slot_gaps)):
+        for name, gaps in gap_sets.items():
             ratios = [_longest(gaps, t0, t1) / step for _, t0, t1, *_ in mine]
             # the same measure on windows of the same lengths without a push (half-way to the next push):
             # what the longest gap is anyway (prefills batched in, the load of the machine)
             controls = [_longest(gaps, c, c + t1 - t0) / step for _, t0, t1, *_ in mine
                         for c in [t1 + args.every_s / 2] if c + (t1 - t0) < t1 + args.every_s]
-            print(f"{mode:7s}: longest gap {name} / step: median {statistics.median(ratios):.2f}, max "
-                  f"{max(ratios):.2f}; same windows without a push: median "
-                  f"{statistics.median(controls) if controls else float('nan'):.2f}, "
-                  f"max {max(controls) if controls else float('nan'):.2f}")
+            print(f"{mode:7s}: longest gap {name:19s} / step: median {statistics.median(ratios):5.2f}, max "
+                  f"{max(ratios):5.2f}; same windows without a push: median "
+                  f"{statistics.median(controls) if controls else float('nan'):5.2f}, "
+                  f"max {max(controls) if controls else float('nan'):5.2f}")
 
 
 def _gaps(series) -> list[tuple[float, float]]:  # noqa: ANN001

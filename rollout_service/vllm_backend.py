@@ -55,7 +55,7 @@ class VllmBackend:
         self.last_max_slice_s = 0.0  # ... the longest of them (what one engine step was delayed by at most)
         self.last_apply: list[dict[str, Any]] = []  # the workers' apply reports
         self.stage_weights = bool(getattr(settings, "stage_weights", False))
-        self.stage_slice_ms = float(getattr(settings, "stage_slice_ms", 2.0))
+        self.stage_slice_ms = float(getattr(settings, "stage_slice_ms", 1.0))
         self.stage_failures = 0
         self.last_route = ""  # how the last in-place reload was applied: staged | paused
         self._SamplingParams = SamplingParams
@@ -116,9 +116,11 @@ class VllmBackend:
         del llm  # the backend owns the engine; see shutdown()
         if backend.stage_weights:  # the second copy of the weights, made before any sample runs
             try:
-                shadow = await backend._llm.collective_rpc("forkrl_prepare_shadow")
-                log.info("staged swaps: a shadow of the model (%.1f MiB) is ready",
-                         max(r["bytes"] for r in shadow) / 2**20)
+                # staged once with the served checkpoint (not applied): the first push then runs warm code
+                # paths, and a model the staging cannot handle falls back here, before any sample runs
+                shadow = await backend._llm.collective_rpc("forkrl_prepare_shadow", args=(settings.model,))
+                log.info("staged swaps: a shadow of the model (%.1f MiB) is ready (a trial staging: %.1f ms)",
+                         max(r["bytes"] for r in shadow) / 2**20, max(r["trial_s"] for r in shadow) * 1e3)
             except Exception as e:  # the pushes will use pause + reload
                 log.warning("staged swaps unavailable (%s: %s): using pause + reload", type(e).__name__, e)
                 backend.stage_weights = False

@@ -23,6 +23,7 @@ import torch
 
 from forkrl.weights.safetensors import _ST_DTYPES, checkpoint_files, iter_safetensors, read_header
 from rollout_service.shadow import ShadowModel  # imported with the worker: no import inside a staging slice
+from rollout_service.slices import SliceGate
 
 # bf16 engines on CPU die with SIGILL inside the attention kernels unless AMX tiles were requested for
 # the process before first use; the worker imports this module at start-up, which is early enough.
@@ -55,50 +56,41 @@ class WeightReloadExtension:
         self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
         return {"tensors": count, "seconds": time.perf_counter() - start}
 
-    # ---- staged swap (rollout_service/shadow.py): the new weights are loaded into a shadow of the model in
-    # slices between engine steps, then copied in by one call. A slice: `forkrl_stage_status` (one utility
-    # call, so it runs between two engine steps) lets the staging thread run for `slice_s` while this thread
-    # waits, then the staging thread parks itself at the next checkpoint (the next checkpoint tensor, the next
-    # module cloned). The two threads never run Python at once, so the engine's steps do not fight for the GIL:
-    # each step is delayed by at most one slice (plus the one tensor or layer in progress when it ends).
-    def forkrl_prepare_shadow(self) -> dict[str, Any]:
-        """Build the shadow model now (at start-up), so the first push's slices do not include it."""
+    # ---- staged swap (rollout_service/shadow.py): the new weights are loaded into a shadow of the model by a
+    # staging thread, in slices granted between engine steps, then copied in by one call. A slice:
+    # `forkrl_stage_status` (one utility call, so it runs between two engine steps) lets the staging thread run
+    # for `slice_s` while this thread waits; the staging thread parks itself as soon as the slice is over, at
+    # the next return from any function (a profile hook on that thread: `SliceGate`), so its Python never runs
+    # beside the engine's and each step is delayed by at most one slice. A native call that releases the GIL
+    # (oneDNN weight packing, a tensor copy) may outlast the slice: the engine goes on beside it (another core)
+    # and the staging thread parks when the call returns.
+    def forkrl_prepare_shadow(self, path: str = "") -> dict[str, Any]:
+        """Build the shadow model now (at start-up), so the first push's slices do not include it; with `path`
+        (the served checkpoint), stage it once (nothing is applied): the first push then finds every code path
+        warm (its first staging took 2-5x the slices of later ones), and a failure shows at start-up."""
         state = _staging(self)
         if state["shadow"] is None:
             state["shadow"] = ShadowModel(self.model_runner.get_model())  # type: ignore[attr-defined]
-        return {"bytes": state["shadow"].nbytes()}
+        start = time.perf_counter()
+        files = checkpoint_files(path) if path else []
+        if files:
+            for f in files:
+                check_data_section(f)
+            state["shadow"].stage(self.vllm_config, iter_safetensors(files))  # type: ignore[attr-defined]
+            state["shadow"].ready = False
+        return {"bytes": state["shadow"].nbytes(), "trial_s": time.perf_counter() - start if files else 0.0}
 
     def forkrl_stage_safetensors(self, path: str, slice_s: float) -> dict[str, Any]:
         """Prepare a staged load of `path`; the work happens in the slices `forkrl_stage_status` grants."""
         state = _staging(self)
         if state["thread"] is not None and state["thread"].is_alive():
             raise RuntimeError("a staged reload is already in progress")
-        go, parked = threading.Event(), threading.Event()
+        gate = SliceGate()
         state.update(status="running", error="", tensors=0, seconds=0.0, slices=0, slice_s=float(slice_s),
-                     go=go, parked=parked, deadline=0.0, last_end=0.0,
-                     max_slice_s=0.0)
-
-        # the time of the last checkpoint, the longest stretch between two so far, stretches in this slice
-        last = {"at": 0.0, "longest": 0.0, "done": 0}
-
-        def checkpoint() -> None:
-            """In the staging thread: park when the next stretch of work (as long as the longest so far)
-            would end after the slice's deadline, so a slice rarely outlasts its budget; every slice does
-            at least one stretch, so staging always moves on."""
-            now = time.perf_counter()
-            if last["at"]:
-                last["longest"] = max(last["longest"], now - last["at"])
-                last["done"] += 1
-            if last["done"] and now + last["longest"] >= state["deadline"]:
-                go.clear()
-                parked.set()
-                go.wait()
-                now = time.perf_counter()
-                last["done"] = 0
-            last["at"] = now
+                     gate=gate, last_end=0.0, max_slice_s=0.0)
 
         def work() -> None:
-            go.wait()
+            gate.enter()
             start = time.perf_counter()
             try:
                 files = checkpoint_files(path)
@@ -108,19 +100,14 @@ class WeightReloadExtension:
                     check_data_section(f)
                 if state["shadow"] is None:
                     state["shadow"] = ShadowModel(self.model_runner.get_model(),  # type: ignore[attr-defined]
-                                                  checkpoint=checkpoint)
-
-                def weights() -> Iterator[tuple[str, torch.Tensor]]:
-                    for item in iter_safetensors(files):
-                        checkpoint()
-                        yield item
-
-                tensors = state["shadow"].stage(self.vllm_config, weights(), checkpoint)  # type: ignore[attr-defined]
+                                                  checkpoint=gate.checkpoint)
+                tensors = state["shadow"].stage(self.vllm_config, iter_safetensors(files),  # type: ignore[attr-defined]
+                                                gate.checkpoint)
                 state.update(status="ready", tensors=tensors, seconds=time.perf_counter() - start)
             except BaseException as e:  # reported by forkrl_stage_status; the served model was not touched
                 state.update(status="failed", error=f"{type(e).__name__}: {e}")
             finally:
-                parked.set()
+                gate.leave()
 
         state["thread"] = threading.Thread(target=work, name="forkrl-stage", daemon=True)
         state["thread"].start()
@@ -133,18 +120,13 @@ class WeightReloadExtension:
         # at most one slice per slice_s of wall time: calls that come closer (several between two engine
         # steps) only report, so the engine gets at least half of the time
         if state["status"] == "running" and time.perf_counter() - state["last_end"] >= state["slice_s"]:
-            state["parked"].clear()
-            state["deadline"] = time.perf_counter() + state["slice_s"]
             state["slices"] += 1
             # the engine's output thread is likely sending the last step's tokens now: let it have the GIL
-            # first, or they wait for the slice's end (the staging thread would hold the GIL)
+            # first, or they wait for the slice's end
             time.sleep(OUTPUT_GRACE_S)
-            began = time.perf_counter()
-            state["go"].set()
-            if not state["parked"].wait(STAGE_SLICE_TIMEOUT_S):
-                state.update(status="failed", error=f"a staging slice did not end within {STAGE_SLICE_TIMEOUT_S} s")
+            held = state["gate"].grant(state["slice_s"])
             state["last_end"] = time.perf_counter()
-            state["max_slice_s"] = max(state["max_slice_s"], state["last_end"] - began)
+            state["max_slice_s"] = max(state["max_slice_s"], held)
         return {k: state[k] for k in ("status", "error", "tensors", "seconds", "slices", "max_slice_s")}
 
     def forkrl_apply_staged(self) -> dict[str, Any]:
@@ -166,7 +148,6 @@ class WeightReloadExtension:
 
 
 OUTPUT_GRACE_S = 0.0003
-STAGE_SLICE_TIMEOUT_S = 600.0  # one tensor (or one layer's processing) that takes longer is a hang
 
 
 def _staging(worker: Any) -> dict[str, Any]:
