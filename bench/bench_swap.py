@@ -201,10 +201,15 @@ async def run(args: argparse.Namespace) -> None:
             # what the longest gap is anyway (prefills batched in, the load of the machine)
             controls = [_longest(gaps, c, c + t1 - t0) / step for _, t0, t1, *_ in mine
                         for c in [t1 + args.every_s / 2] if c + (t1 - t0) < t1 + args.every_s]
+            # each push against its own control window: what the push added to the longest gap
+            added = [r - c for r, c in zip(ratios, controls, strict=False)]
             print(f"{mode:7s}: longest gap {name:19s} / step: median {statistics.median(ratios):5.2f}, max "
                   f"{max(ratios):5.2f}; same windows without a push: median "
                   f"{statistics.median(controls) if controls else float('nan'):5.2f}, "
-                  f"max {max(controls) if controls else float('nan'):5.2f}")
+                  f"max {max(controls) if controls else float('nan'):5.2f}; added by the push: median "
+                  f"{statistics.median(added) if added else float('nan'):+5.2f}, max "
+                  f"{max(added) if added else float('nan'):+5.2f}, <= 1 step at "
+                  f"{sum(a <= 1 for a in added)}/{len(added)} pushes")
 
 
 def _gaps(series) -> list[tuple[float, float]]:  # noqa: ANN001

@@ -12,17 +12,18 @@ and the worker parks as soon as it returns.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 
 class SliceGate:
     """Runs a background thread's work in slices granted by another thread (the engine's), never beside it.
 
-    The worker thread calls `enter()` first (it waits for the first slice), `leave()` last; in between, a
+    `start(work, done)` runs `work` on a thread of its own in slices (or a thread calls `enter()` first, which
+    waits for the first slice, and `leave()` last); in between, a
     profile hook on that thread (`sys.setprofile`, this thread only) parks it at the first function return after
     the slice's deadline, and `checkpoint()` may be called anywhere as well. `grant(slice_s)` (the engine's
     thread) starts a slice and returns when the worker parked or finished, or after `slice_s` + a grace period
@@ -40,12 +41,28 @@ class SliceGate:
         self._done = False
         self._parking = False  # the hook must not park again inside _park (called directly, it is profiled)
 
+    def start(self, work: Callable[[], Any], done: Callable[[Any, BaseException | None], None],
+              name: str = "slice-gate") -> threading.Thread:
+        """Run `work()` on a new (daemon) thread in granted slices; then `done(result, error)` on that thread,
+        after the gate let go of it (no slice needed, nothing parks it: publish the outcome there)."""
+
+        def main() -> None:
+            result, error = None, None
+            self.enter()
+            try:
+                result = work()
+            except BaseException as e:
+                error = e
+            finally:
+                self.leave()
+            done(result, error)
+
+        thread = threading.Thread(target=main, name=name, daemon=True)
+        thread.start()
+        return thread
+
     # ---- the worker's side
     def enter(self) -> None:
-        try:  # this thread only (Linux): a native call running beside the engine yields the core to it
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
         sys.setprofile(self._hook)
         self._park()
 

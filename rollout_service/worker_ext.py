@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -88,29 +87,29 @@ class WeightReloadExtension:
         gate = SliceGate()
         state.update(status="running", error="", tensors=0, seconds=0.0, slices=0, slice_s=float(slice_s),
                      gate=gate, last_end=0.0, max_slice_s=0.0)
+        start = time.perf_counter()
 
-        def work() -> None:
-            gate.enter()
-            start = time.perf_counter()
-            try:
-                files = checkpoint_files(path)
-                if not files:
-                    raise FileNotFoundError(f"no *.safetensors under {path}")
-                for f in files:
-                    check_data_section(f)
-                if state["shadow"] is None:
-                    state["shadow"] = ShadowModel(self.model_runner.get_model(),  # type: ignore[attr-defined]
-                                                  checkpoint=gate.checkpoint)
-                tensors = state["shadow"].stage(self.vllm_config, iter_safetensors(files),  # type: ignore[attr-defined]
-                                                gate.checkpoint)
+        def work() -> int:
+            files = checkpoint_files(path)
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors under {path}")
+            for f in files:
+                check_data_section(f)
+            if state["shadow"] is None:
+                state["shadow"] = ShadowModel(self.model_runner.get_model(),  # type: ignore[attr-defined]
+                                              checkpoint=gate.checkpoint)
+            return state["shadow"].stage(self.vllm_config, iter_safetensors(files),  # type: ignore[attr-defined]
+                                         gate.checkpoint)
+
+        def done(tensors: int | None, error: BaseException | None) -> None:
+            # after the gate let go of the thread: published here, the status cannot be seen "ready" while
+            # the thread still waits for a slice (the next push would find it alive)
+            if error is not None:  # reported by forkrl_stage_status; the served model was not touched
+                state.update(status="failed", error=f"{type(error).__name__}: {error}")
+            else:
                 state.update(status="ready", tensors=tensors, seconds=time.perf_counter() - start)
-            except BaseException as e:  # reported by forkrl_stage_status; the served model was not touched
-                state.update(status="failed", error=f"{type(e).__name__}: {e}")
-            finally:
-                gate.leave()
 
-        state["thread"] = threading.Thread(target=work, name="forkrl-stage", daemon=True)
-        state["thread"].start()
+        state["thread"] = gate.start(work, done, name="forkrl-stage")
         return {"status": "running"}
 
     def forkrl_stage_status(self) -> dict[str, Any]:

@@ -56,6 +56,36 @@ def test_pure_python_work_runs_only_inside_granted_slices():
     assert gate.grant(0.001) == 0.0  # after leave(): nothing to grant
 
 
+def test_start_runs_work_in_slices_and_reports_after_letting_go():
+    """`done` runs after the gate let go of the thread: the thread ends without another slice, even when the
+    slice was over when the work returned (publishing "ready" before letting go once left the staging thread
+    parked for good, and the next push found a staging "in progress")."""
+    gate = SliceGate()
+    out: list = []
+    reported = threading.Event()
+
+    def work() -> int:
+        return sum(sum(range(k % 50)) for k in range(5_000))
+
+    def done(result, error) -> None:  # noqa: ANN001
+        out.append((result, error))
+        reported.set()
+
+    t = gate.start(work, done)
+    while not reported.is_set():
+        gate.grant(0.0001)  # slices so short that the deadline has always passed when the work returns
+    t.join(30)
+    assert not t.is_alive()
+    assert out == [(sum(sum(range(k % 50)) for k in range(5_000)), None)]
+
+    failing = SliceGate()
+    errors: list = []
+    t = failing.start(lambda: 1 / 0, lambda r, e: errors.append((r, type(e))))
+    while t.is_alive():
+        failing.grant(0.0001)
+    assert errors == [(None, ZeroDivisionError)]
+
+
 def test_a_native_call_that_releases_the_gil_runs_beside_the_granting_thread():
     gate = SliceGate()
     release = threading.Lock()
