@@ -15,13 +15,13 @@ step's outputs carry its time.monotonic(): what the engine itself held up, whate
 which also runs this benchmark's samplers, was doing); the same as the tokens arrived here; and between two
 consecutive tokens of one slot across its samples (also the time a slot waits for a new sample to start: what
 a drain costs). A gap within a sample never spans two samples, so no prefill of its own is in it. Printed per
-mode and push, and per mode (median and max over pushes) with the same measure on windows of the same length
-without a push (the noise floor), in units of one engine step (the median engine-stamped gap within a sample
-away from pushes); with the staging time (generation goes on), the worker's copy (staged) or reload (inplace,
-drain) and the drain. Staged pushes also print the slices and the longest one (the most any engine step was
+mode and push, and per mode (median and max over pushes) with the same measure on a window of the same length
+just before each push (the noise floor) and what each push added to it, in units of one engine step (the
+median engine-stamped gap within a sample away from pushes); with the staging time (generation goes on), the
+worker's copy (staged) or reload (inplace, drain) and the drain. Staged pushes also print the slices and the longest one (the most any engine step was
 held back by the staging) and the workers' apply reports.
-The issue's target: a push stalls generation by at most one engine step, i.e. the longest gap around a push is
-at most two steps. "staged" (inplace with --stage-weights, the default) loads the new weights into a shadow
+The issue's target: a push stalls generation by at most one engine step, i.e. it adds at most one step to the
+longest gap of its window ("added by the push"). "staged" (inplace with --stage-weights, the default) loads the new weights into a shadow
 model in slices between engine steps while generation goes on and stalls for the copy alone; "inplace"
 (--stage-weights false) for pause + vLLM's reload + resume; "drain" for the drain as well.
 """
@@ -50,7 +50,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pushes", type=int, default=12, help="pushes in all (the modes take turns)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="swap modes to time")
     p.add_argument("--every-s", type=float, default=1.5, help="seconds between pushes")
-    p.add_argument("--warmup-s", type=float, default=2.0)
+    p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--threads", type=int, default=1, help="engine threads")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--stage-slice-ms", type=float, default=None,
@@ -192,17 +192,22 @@ async def run(args: argparse.Namespace) -> None:
         mine = [p for p in pushes if p[0] == mode]
         for _, t0, t1, _apply_s, drain_s, worker_s, stage_s in mine:
             longest = ", ".join(f"{name} {_longest(gaps, t0, t1) / step:5.2f}" for name, gaps in gap_sets.items())
+            before = _longest(gap_sets["engine, in a sample"], t0 - 0.02 - (t1 - t0), t0 - 0.02) / step
+            longest += f" (engine, the window before: {before:5.2f})"
             print(f"  {mode:7s} push: longest gap: {longest} (push {(t1 - t0) * 1e3:.1f} ms: staging "
                   f"{stage_s * 1e3:.1f} ms while generating, the worker's copy/reload {worker_s * 1e3:.2f} ms, "
                   f"drain {drain_s * 1e3:.1f} ms)")
         for name, gaps in gap_sets.items():
             ratios = [_longest(gaps, t0, t1) / step for _, t0, t1, *_ in mine]
-            # the same measure on windows of the same lengths without a push (half-way to the next push):
-            # what the longest gap is anyway (prefills batched in, the load of the machine)
-            controls = [_longest(gaps, c, c + t1 - t0) / step for _, t0, t1, *_ in mine
-                        for c in [t1 + args.every_s / 2] if c + (t1 - t0) < t1 + args.every_s]
-            # each push against its own control window: what the push added to the longest gap
-            added = [r - c for r, c in zip(ratios, controls, strict=False)]
+            # the same measure on a window of the same length without a push, just before the push (the last
+            # push ended every_s earlier): what the longest gap is anyway (prefills batched in, the machine's
+            # load); each push against its own window: what the push added to the longest gap
+            # (a window that holds no gap at all, i.e. one reaching back before the first tokens, is no control)
+            pairs = [(_longest(gaps, t0, t1) / step, before / step) for _, t0, t1, *_ in mine
+                     if t1 - t0 < args.every_s - 0.04
+                     for before in [_longest(gaps, t0 - 0.02 - (t1 - t0), t0 - 0.02)] if before > 0]
+            controls = [c for _, c in pairs]
+            added = [r - c for r, c in pairs]
             print(f"{mode:7s}: longest gap {name:19s} / step: median {statistics.median(ratios):5.2f}, max "
                   f"{max(ratios):5.2f}; same windows without a push: median "
                   f"{statistics.median(controls) if controls else float('nan'):5.2f}, "
