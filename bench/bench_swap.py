@@ -18,12 +18,12 @@ a drain costs). A gap within a sample never spans two samples, so no prefill of 
 mode and push, and per mode (median and max over pushes) with the same measure on a window of the same length
 just before each push (the noise floor) and what each push added to it, in units of one engine step (the
 median engine-stamped gap within a sample away from pushes); with the staging time (generation goes on), the
-worker's copy (staged) or reload (inplace, drain) and the drain. Staged pushes also print the slices and the longest one (the most any engine step was
-held back by the staging) and the workers' apply reports.
+worker's copy (staged) or reload (inplace, drain) and the drain. Staged pushes also print the slices and the
+longest one (the most any engine step was held back by the staging) and the workers' apply reports.
 The issue's target: a push stalls generation by at most one engine step, i.e. it adds at most one step to the
-longest gap of its window ("added by the push"). "staged" (inplace with --stage-weights, the default) loads the new weights into a shadow
-model in slices between engine steps while generation goes on and stalls for the copy alone; "inplace"
-(--stage-weights false) for pause + vLLM's reload + resume; "drain" for the drain as well.
+longest gap of its window ("added by the push"). "staged" (inplace with --stage-weights, the default) loads the
+new weights into a shadow model in slices between engine steps while generation goes on and stalls for the copy
+alone; "inplace" (--stage-weights false) for pause + vLLM's reload + resume; "drain" for the drain as well.
 """
 
 from __future__ import annotations
