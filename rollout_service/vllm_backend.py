@@ -116,8 +116,8 @@ class VllmBackend:
         del llm  # the backend owns the engine; see shutdown()
         if backend.stage_weights:  # the second copy of the weights, made before any sample runs
             try:
-                # staged once with the served checkpoint (not applied): the first push then runs warm code
-                # paths, and a model the staging cannot handle falls back here, before any sample runs
+                # staged once with the served checkpoint (not applied): a model the staging cannot handle
+                # falls back here, before any sample runs
                 shadow = await backend._llm.collective_rpc("forkrl_prepare_shadow", args=(settings.model,))
                 log.info("staged swaps: a shadow of the model (%.1f MiB) is ready (a trial staging: %.1f ms)",
                          max(r["bytes"] for r in shadow) / 2**20, max(r["trial_s"] for r in shadow) * 1e3)

@@ -65,8 +65,8 @@ class WeightReloadExtension:
     # and the staging thread parks when the call returns.
     def forkrl_prepare_shadow(self, path: str = "") -> dict[str, Any]:
         """Build the shadow model now (at start-up), so the first push's slices do not include it; with `path`
-        (the served checkpoint), stage it once (nothing is applied): the first push then finds every code path
-        warm (its first staging took 2-5x the slices of later ones), and a failure shows at start-up."""
+        (the served checkpoint), stage it once (nothing is applied), so a model the staging cannot handle
+        fails here, before any sample runs, and the service falls back to pause + reload."""
         state = _staging(self)
         if state["shadow"] is None:
             state["shadow"] = ShadowModel(self.model_runner.get_model())  # type: ignore[attr-defined]
