@@ -1,4 +1,4 @@
-"""Run a background thread's work in slices granted by another thread, never beside it (the staged swap).
+"""Run a background thread's work in slices granted by another thread, not beside it (the staged swap).
 
 The rollout worker stages pushed weights in a thread while the engine's thread keeps stepping; both are
 Python, so they would fight for the GIL, and a thread that holds it for 5 ms (the interpreter's switch
@@ -20,7 +20,9 @@ from typing import Any
 
 
 class SliceGate:
-    """Runs a background thread's work in slices granted by another thread (the engine's), never beside it.
+    """Runs a background thread's work in slices granted by another thread (the engine's), not beside it: the
+    one exception is a worker preempted by the OS mid-slice while holding the GIL, which the interpreter may
+    switch out at a bytecode boundary; it then runs on to its next function return, where it parks.
 
     `start(work, done)` runs `work` on a thread of its own in slices (or a thread calls `enter()` first, which
     waits for the first slice, and `leave()` last); in between, a

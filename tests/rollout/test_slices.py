@@ -51,7 +51,12 @@ def test_pure_python_work_runs_only_inside_granted_slices():
         for k in range(20_000):  # the engine's step: Python longer than the interpreter's switch interval
             step(k)  # (5 ms): a worker not parked would get the GIL in it and see the flag down
     assert len(seen) == 5_000
-    assert all(seen), f"{seen.count(False)} steps ran outside a slice"
+    # The worker parks at the first return after its slice. The one way it runs outside a slice: preempted by the
+    # OS mid-slice while holding the GIL, it is switched out by the interpreter at a bytecode boundary, and when it
+    # gets the GIL back it runs on to its next return: at most one recorded step per slice. Without the hook it
+    # runs thousands of steps in each of the granting thread's steps.
+    outside = seen.count(False)
+    assert outside <= slices, f"{outside} steps ran outside a slice ({slices} slices)"
     assert slices >= 2  # the work did not fit one half-millisecond slice: it was cut and resumed
     assert gate.grant(0.001) == 0.0  # after leave(): nothing to grant
 
@@ -108,9 +113,12 @@ def test_a_native_call_that_releases_the_gil_runs_beside_the_granting_thread():
     granting[0] = False
     assert t.is_alive() and not after
     release.release()  # the call returns; the worker must park before its next step (the slice is over)
+    slices = 0
     while t.is_alive():
         granting[0] = True
         gate.grant(0.001)
         granting[0] = False
-    assert len(after) == 100 and all(after)
+        slices += 1
+    assert len(after) == 100
+    assert after.count(False) <= slices  # as above: at most one step per slice after a forced switch
 
