@@ -19,7 +19,11 @@ mode and push, and per mode (median and max over pushes) with the same measure o
 just before each push (the noise floor) and what each push added to it, in units of one engine step (the
 median engine-stamped gap within a sample away from pushes); with the staging time (generation goes on), the
 worker's copy (staged) or reload (inplace, drain) and the drain. Staged pushes also print the slices and the
-longest one (the most any engine step was held back by the staging) and the workers' apply reports.
+longest one and the workers' apply reports, and per mode the longest call of each push into the engine's loop (a
+slice or the copy, timed by the worker: the most one engine step was held back by the swap, on the engine's own
+clock, free of the noise of the gaps), with the CPU steal (/proc/stat: time the hypervisor ran other guests on
+this VM's CPUs, which stretches whatever runs meanwhile) during the pushes and during those that held a step longer
+than one step. "staged-beside" is staged with --stage-native-beside true (the GPU default; see the setting).
 The issue's target: a push stalls generation by at most one engine step, i.e. it adds at most one step to the
 longest gap of its window ("added by the push"). "staged" (inplace with --stage-weights, the default) loads the
 new weights into a shadow model in slices between engine steps while generation goes on and stalls for the copy
@@ -38,7 +42,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("staged", "inplace", "drain")
+MODES = ("staged", "staged-beside", "inplace", "drain")
 sys.path.insert(0, str(ROOT))
 
 
@@ -48,7 +52,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=16, help="concurrent samples")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--pushes", type=int, default=12, help="pushes in all (the modes take turns)")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="swap modes to time")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=["staged", "inplace", "drain"],
+                   help="swap modes to time (staged-beside: staged with --stage-native-beside true)")
     p.add_argument("--every-s", type=float, default=1.5, help="seconds between pushes")
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--threads", type=int, default=1, help="engine threads")
@@ -155,20 +160,27 @@ async def run(args: argparse.Namespace) -> None:
     tasks = [asyncio.create_task(slot(s)) for s in range(args.slots)]
     # (mode, t0, t1, apply_s, drain_s, worker_s, stage_s)
     pushes: list[tuple[str, float, float, float, float, float, float]] = []
+    held: dict[int, float] = {}  # staged pushes: the longest the swap held the engine's loop in one call
+    stolen: dict[int, float] = {}  # ... and the share of CPU time the hypervisor took from this VM meanwhile
     await asyncio.sleep(args.warmup_s)
     for k in range(args.pushes):
         mode = args.modes[k % len(args.modes)]
         engine.swap_mode = "drain" if mode == "drain" else "inplace"
-        backend.stage_weights = mode == "staged"
+        backend.stage_weights = mode.startswith("staged")
+        backend.stage_native_beside = mode == "staged-beside"
         backend.last_stage_s = backend.last_max_slice_s = 0.0
-        backend.last_stage_slices = 0
-        t0 = time.monotonic()
+        backend.last_stage_slices = backend.last_stage_overruns = 0
+        t0, ticks0 = time.monotonic(), _cpu_ticks()
         r = await engine.load_weights(str(ckpts[(k + 1) % 2]), engine.version + 1)
         pushes.append((mode, t0, time.monotonic(), r.apply_s, r.drain_s, backend.last_reload_s,
                        backend.last_stage_s))
-        if mode == "staged":
-            print(f"  staged push {k}: {backend.last_stage_slices} slices, longest "
-                  f"{backend.last_max_slice_s * 1e3:.2f} ms; apply {backend.last_apply}")
+        if mode.startswith("staged"):
+            # the longest call of the swap into the engine's loop: a slice (with its 0.3 ms output grace) or the
+            # copy; the engine steps between them. What a push held one engine step back by, on the engine's clock
+            held[k] = max(backend.last_max_slice_s, backend.last_reload_s)
+            stolen[k] = _steal_share(ticks0, _cpu_ticks())
+            print(f"  {mode} push {k}: {backend.last_stage_slices} slices, longest {backend.last_max_slice_s * 1e3:.2f}"
+                  f" ms, {backend.last_stage_overruns} given up on a native call; apply {backend.last_apply}")
         await asyncio.sleep(args.every_s)
     stop.set()
     await asyncio.gather(*tasks)
@@ -190,11 +202,20 @@ async def run(args: argparse.Namespace) -> None:
           f"stamped them, {client_step * 1e3:.2f} ms as they arrived; gaps below in engine steps")
     for mode in args.modes:
         mine = [p for p in pushes if p[0] == mode]
+        if mode.startswith("staged"):
+            steps = [held[k] / step for k, p in enumerate(pushes) if p[0] == mode]
+            over = [stolen[k] for k, p in enumerate(pushes) if p[0] == mode and held[k] > step]
+            steal = [stolen[k] for k, p in enumerate(pushes) if p[0] == mode]
+            print(f"{mode}: the longest call into the engine's loop per push (a slice or the copy; the engine's "
+                  f"clock) / step: median {statistics.median(steps):.2f}, max {max(steps):.2f}, <= 1 step at "
+                  f"{sum(x <= 1 for x in steps)}/{len(steps)} pushes; CPU steal during the pushes (the hypervisor's "
+                  f"share of this VM's CPU time): median {statistics.median(steal):.1%}, during those over one step: "
+                  f"{', '.join(f'{x:.1%}' for x in over) or '-'}")
         for _, t0, t1, _apply_s, drain_s, worker_s, stage_s in mine:
             longest = ", ".join(f"{name} {_longest(gaps, t0, t1) / step:5.2f}" for name, gaps in gap_sets.items())
             before = _longest(gap_sets["engine, in a sample"], t0 - 0.02 - (t1 - t0), t0 - 0.02) / step
             longest += f" (engine, the window before: {before:5.2f})"
-            print(f"  {mode:7s} push: longest gap: {longest} (push {(t1 - t0) * 1e3:.1f} ms: staging "
+            print(f"  {mode:13s} push: longest gap: {longest} (push {(t1 - t0) * 1e3:.1f} ms: staging "
                   f"{stage_s * 1e3:.1f} ms while generating, the worker's copy/reload {worker_s * 1e3:.2f} ms, "
                   f"drain {drain_s * 1e3:.1f} ms)")
         for name, gaps in gap_sets.items():
@@ -208,13 +229,29 @@ async def run(args: argparse.Namespace) -> None:
                      for before in [_longest(gaps, t0 - 0.02 - (t1 - t0), t0 - 0.02)] if before > 0]
             controls = [c for _, c in pairs]
             added = [r - c for r, c in pairs]
-            print(f"{mode:7s}: longest gap {name:19s} / step: median {statistics.median(ratios):5.2f}, max "
+            print(f"{mode:13s}: longest gap {name:19s} / step: median {statistics.median(ratios):5.2f}, max "
                   f"{max(ratios):5.2f}; same windows without a push: median "
                   f"{statistics.median(controls) if controls else float('nan'):5.2f}, "
                   f"max {max(controls) if controls else float('nan'):5.2f}; added by the push: median "
                   f"{statistics.median(added) if added else float('nan'):+5.2f}, max "
                   f"{max(added) if added else float('nan'):+5.2f}, <= 1 step at "
                   f"{sum(a <= 1 for a in added)}/{len(added)} pushes")
+
+
+def _cpu_ticks() -> list[int]:
+    """The machine's CPU time counters (/proc/stat, all CPUs); [] where there is no /proc."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def _steal_share(before: list[int], after: list[int]) -> float:
+    """The share of CPU time stolen by the hypervisor between two `_cpu_ticks` (the 8th counter)."""
+    if len(before) < 8 or len(after) < 8:
+        return float("nan")
+    delta = [b - a for a, b in zip(before, after, strict=False)]
+    return delta[7] / max(1, sum(delta[:8]))
 
 
 def _gaps(series) -> list[tuple[float, float]]:  # noqa: ANN001

@@ -23,19 +23,25 @@ class SliceGate:
     """Runs a background thread's work in slices granted by another thread (the engine's), not beside it: the
     one exception is a worker preempted by the OS mid-slice while holding the GIL, which the interpreter may
     switch out at a bytecode boundary; it then runs on to its next function return, where it parks.
+    With `native_beside=True`, native calls that release the GIL may also run on beside the granting thread.
 
     `start(work, done)` runs `work` on a thread of its own in slices (or a thread calls `enter()` first, which
     waits for the first slice, and `leave()` last); in between, a
     profile hook on that thread (`sys.setprofile`, this thread only) parks it at the first function return after
     the slice's deadline, and `checkpoint()` may be called anywhere as well. `grant(slice_s)` (the engine's
-    thread) starts a slice and returns when the worker parked or finished, or after `slice_s` + a grace period
-    when the worker is inside a native call that released the GIL: that call then runs on beside the engine,
-    and the worker parks when it returns. The hook costs ~0.5 us per call (~10 ms per reload of the tiny model,
-    spent in the background)."""
+    thread) starts a slice and returns when the worker parked or finished. A native call that released the
+    GIL is waited for (the slice overruns by what is left of it) unless `native_beside`: then `grant` returns
+    after `slice_s` + a grace period, the call runs on beside the engine and the worker parks when it returns.
+    A slice that overran by `max_overrun_s` (a native call that does not return: a safety valve, so the engine
+    is never held for good) returns as well, and is counted in `overruns`. The hook costs ~0.5 us per call (~10 ms
+    per reload of the tiny model, spent in the background)."""
 
     GRACE_S = 0.0002
 
-    def __init__(self) -> None:
+    def __init__(self, native_beside: bool = False, max_overrun_s: float = 0.1) -> None:
+        self.native_beside = native_beside
+        self.max_overrun_s = max_overrun_s
+        self.overruns = 0  # slices given up after max_overrun_s (the worker then runs on beside the engine)
         self._cv = threading.Condition()
         self._granted = 0  # slices granted so far
         self._parked = 0  # the last slice the worker has parked in
@@ -104,6 +110,8 @@ class SliceGate:
             n = self._granted
             self._deadline = time.perf_counter() + slice_s
             self._cv.notify_all()
-            self._cv.wait_for(lambda: self._parked >= n or self._done, timeout=slice_s + self.GRACE_S)
+            extra = self.GRACE_S if self.native_beside else self.max_overrun_s
+            if not self._cv.wait_for(lambda: self._parked >= n or self._done, timeout=slice_s + extra):
+                self.overruns += not self.native_beside
         return time.perf_counter() - start
 

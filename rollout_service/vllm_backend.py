@@ -4,13 +4,14 @@ One engine request per sample (FINAL_ONLY outputs, the sampled token's logprob a
 temperature), abort, in-place reload through the worker extension (`worker_ext.py`), prefix-cache reset.
 
 Reload with requests in flight (`keep_running=True`, swap mode "inplace"):
-- staged (`stage_weights`, the default): the worker loads the file into a shadow of the model (`shadow.py`)
-  in slices of `stage_slice_ms`, one per `collective_rpc` and so one between two engine steps, while the
-  engine generates; then one `collective_rpc` copies the staged tensors in. A utility call runs between two
-  engine steps, and the engine core reads its
-  inputs (requests and utility calls) in order and writes its outputs (tokens and utility replies) in order,
-  so no pause is needed: requests sent after the apply see only the new weights, and the version is committed
-  as soon as the apply's reply arrives, before any later token is seen here. Generation stalls for the copy.
+- staged (`stage_weights`, the default): the worker loads the file into a shadow of the model (`shadow.py`) in
+  slices of `stage_slice_ms`, one per `collective_rpc` and so one between two engine steps, while the engine
+  generates (`stage_native_beside`: whether a native call may run on past its slice); then one
+  `collective_rpc` copies the staged tensors in. A utility call runs between two engine steps, and the engine
+  core reads its inputs (requests and utility calls) in order and writes its outputs (tokens and utility
+  replies) in order, so no pause is needed: requests sent after the apply see only the new weights, and the
+  version is committed as soon as the apply's reply arrives, before any later token is seen here. Generation
+  stalls for the copy.
 - otherwise (and whenever no sample is running: nothing to stall, and it is several times faster) the engine
   core's scheduler is paused in vLLM's "keep" mode (it finishes the step it is in, then
   skips steps with every request kept scheduled, KV cache included), the weights are reloaded through
@@ -56,6 +57,10 @@ class VllmBackend:
         self.last_apply: list[dict[str, Any]] = []  # the workers' apply reports
         self.stage_weights = bool(getattr(settings, "stage_weights", False))
         self.stage_slice_ms = float(getattr(settings, "stage_slice_ms", 1.0))
+        beside = getattr(settings, "stage_native_beside", None)
+        # unset: beside on a GPU (copies to the device do not compete with the engine), in the slice on CPU
+        self.stage_native_beside = engine_settings.get("device", "cpu") != "cpu" if beside is None else bool(beside)
+        self.last_stage_overruns = 0  # slices given up on a native call that did not return (see SliceGate)
         self.stage_failures = 0
         self.last_route = ""  # how the last in-place reload was applied: staged | paused
         self._SamplingParams = SamplingParams
@@ -73,6 +78,8 @@ class VllmBackend:
             "max_model_len": self.max_model_len,
             "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
         }
+        if self.stage_weights:
+            self.engine_settings["stage_native_beside"] = self.stage_native_beside
 
     @classmethod
     async def start(cls, settings: Any) -> VllmBackend:
@@ -201,6 +208,7 @@ class VllmBackend:
                 self.last_stage_slices = max(int(r["slices"]) for r in results)
                 self.last_apply = results
                 self.last_max_slice_s = max(float(r["max_slice_s"]) for r in results)
+                self.last_stage_overruns = max(int(r.get("overruns", 0)) for r in results)
                 self.last_route = "staged"
                 # The apply's reply precedes every output of later engine steps on the output channel, so
                 # the version is committed before the service sees any token sampled by the new weights.
@@ -225,7 +233,8 @@ class VllmBackend:
         """Load `path` into the worker's shadow model, one slice of `stage_slice_ms` between engine steps."""
         t0 = time.perf_counter()
         try:
-            await self._llm.collective_rpc("forkrl_stage_safetensors", args=(path, self.stage_slice_ms / 1e3))
+            await self._llm.collective_rpc("forkrl_stage_safetensors",
+                                           args=(path, self.stage_slice_ms / 1e3, self.stage_native_beside))
         except Exception as e:
             raise _StagingFailed(f"{type(e).__name__}: {e}") from e
         while True:  # at most one slice per call; the engine core runs a step between two calls

@@ -61,8 +61,9 @@ class WeightReloadExtension:
     # for `slice_s` while this thread waits; the staging thread parks itself as soon as the slice is over, at
     # the next return from any function (a profile hook on that thread: `SliceGate`), so its Python never runs
     # beside the engine's and each step is delayed by at most one slice. A native call that releases the GIL
-    # (oneDNN weight packing, a tensor copy) may outlast the slice: the engine goes on beside it (another core)
-    # and the staging thread parks when the call returns.
+    # (oneDNN weight packing, a tensor copy) may outlast the slice: by default the slice waits for it (on CPU
+    # it would compete with the engine for the cores); with `native_beside` (a GPU: copies to the device do
+    # not compete) the engine goes on beside it and the staging thread parks when the call returns.
     def forkrl_prepare_shadow(self, path: str = "") -> dict[str, Any]:
         """Build the shadow model now (at start-up), so the first push's slices do not include it; with `path`
         (the served checkpoint), stage it once (nothing is applied), so a model the staging cannot handle
@@ -79,14 +80,14 @@ class WeightReloadExtension:
             state["shadow"].ready = False
         return {"bytes": state["shadow"].nbytes(), "trial_s": time.perf_counter() - start if files else 0.0}
 
-    def forkrl_stage_safetensors(self, path: str, slice_s: float) -> dict[str, Any]:
+    def forkrl_stage_safetensors(self, path: str, slice_s: float, native_beside: bool = False) -> dict[str, Any]:
         """Prepare a staged load of `path`; the work happens in the slices `forkrl_stage_status` grants."""
         state = _staging(self)
         if state["thread"] is not None and state["thread"].is_alive():
             raise RuntimeError("a staged reload is already in progress")
-        gate = SliceGate()
+        gate = SliceGate(native_beside=bool(native_beside))
         state.update(status="running", error="", tensors=0, seconds=0.0, slices=0, slice_s=float(slice_s),
-                     gate=gate, last_end=0.0, max_slice_s=0.0)
+                     gate=gate, last_end=0.0, max_slice_s=0.0, overruns=0)
         start = time.perf_counter()
 
         def work() -> int:
@@ -114,19 +115,20 @@ class WeightReloadExtension:
 
     def forkrl_stage_status(self) -> dict[str, Any]:
         """Grant the staging one slice (if it is running), then report: running | ready | failed (with the
-        error), the tensors read, the staging seconds (wall, slices and the steps between them) and slices."""
+        error), the tensors read, the staging seconds (wall, slices and the steps between them), the slices, the
+        longest time one call held the engine (`max_slice_s`) and the slices given up on a native call that did
+        not return (`overruns`: it then ran on beside the engine)."""
         state = _staging(self)
         # at most one slice per slice_s of wall time: calls that come closer (several between two engine
         # steps) only report, so the engine gets at least half of the time
         if state["status"] == "running" and time.perf_counter() - state["last_end"] >= state["slice_s"]:
             state["slices"] += 1
-            # the engine's output thread is likely sending the last step's tokens now: let it have the GIL
-            # first, or they wait for the slice's end
-            time.sleep(OUTPUT_GRACE_S)
-            held = state["gate"].grant(state["slice_s"])
+            t0 = time.perf_counter()
+            state["gate"].grant(state["slice_s"])
             state["last_end"] = time.perf_counter()
-            state["max_slice_s"] = max(state["max_slice_s"], held)
-        return {k: state[k] for k in ("status", "error", "tensors", "seconds", "slices", "max_slice_s")}
+            state["max_slice_s"] = max(state["max_slice_s"], state["last_end"] - t0)  # all the engine waited
+            state["overruns"] = state["gate"].overruns
+        return {k: state[k] for k in ("status", "error", "tensors", "seconds", "slices", "max_slice_s", "overruns")}
 
     def forkrl_apply_staged(self) -> dict[str, Any]:
         """Copy the staged weights into the served model; runs between two engine steps."""
@@ -143,16 +145,13 @@ class WeightReloadExtension:
         state["status"] = "idle"
         return {"tensors": copied, "seconds": time.perf_counter() - start, "copy_seconds": copy_s,
                 "stage_seconds": state["seconds"],
-                "slices": state["slices"], "max_slice_s": state["max_slice_s"]}
-
-
-OUTPUT_GRACE_S = 0.0003
+                "slices": state["slices"], "max_slice_s": state["max_slice_s"], "overruns": state["overruns"]}
 
 
 def _staging(worker: Any) -> dict[str, Any]:
     if not hasattr(worker, "_forkrl_staging"):
         worker._forkrl_staging = {"thread": None, "shadow": None, "status": "idle", "error": "", "tensors": 0,
-                                  "seconds": 0.0, "slices": 0, "max_slice_s": 0.0}
+                                  "seconds": 0.0, "slices": 0, "max_slice_s": 0.0, "overruns": 0}
     return worker._forkrl_staging
 
 

@@ -4,8 +4,10 @@ Nothing here depends on timing. The invariant is observable state: the granting 
 it is inside `grant` and down while it runs its own Python between two grants (the engine's step), and the
 worker records the flag at each step of its (pure Python) work. The worker parks
 at a function return once the slice is over, and `grant` cannot get the GIL back before it has: so no step may
-ever see the flag down. A native call that releases the GIL (here: a blocking lock acquire) must not hold the
-granting thread: `grant` has to return while the worker is still blocked in it, or this test hangs.
+ever see the flag down. A native call that releases the GIL (here: a blocking lock acquire) holds `grant` until
+it returns and the worker parked (the default: the worker never runs beside the granting thread, not even in native
+code), up to `max_overrun_s` (counted); with `native_beside=True` it does not hold the granting thread: `grant`
+returns while the worker is still blocked in it, or that test hangs.
 """
 
 from __future__ import annotations
@@ -91,34 +93,74 @@ def test_start_runs_work_in_slices_and_reports_after_letting_go():
     assert errors == [(None, ZeroDivisionError)]
 
 
-def test_a_native_call_that_releases_the_gil_runs_beside_the_granting_thread():
-    gate = SliceGate()
-    release = threading.Lock()
-    release.acquire()
-    in_native = threading.Event()
-    granting = [False]
-    after: list[bool] = []
+class _Blocked:
+    """A worker that enters a native call releasing the GIL (a blocking lock acquire) until `release()`, then
+    records the granting thread's flag at each of 100 steps."""
 
-    def work() -> None:
-        in_native.set()
-        release.acquire()  # blocks in C with the GIL released, until the test lets it go
+    def __init__(self, gate: SliceGate) -> None:
+        self.gate = gate
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.in_native = threading.Event()
+        self.granting = [False]
+        self.after: list[bool] = []
+        self.thread = _run(gate, self._work)
+
+    def _work(self) -> None:
+        self.in_native.set()
+        self.lock.acquire()  # blocks in C with the GIL released, until the test lets it go
         for _ in range(100):
-            after.append(granting[0])
+            self.after.append(self.granting[0])
 
-    t = _run(gate, work)
-    granting[0] = True
-    while not in_native.is_set():  # slices until the worker is inside the blocking call
+    def release(self) -> None:
+        self.lock.release()
+
+    def finish(self) -> None:
+        """Slices until the work is done; at most one step per slice outside it (after a forced switch)."""
+        slices = 0
+        while self.thread.is_alive():
+            self.granting[0] = True
+            self.gate.grant(0.001)
+            self.granting[0] = False
+            slices += 1
+        assert len(self.after) == 100 and self.after.count(False) <= slices
+
+
+def test_a_native_call_that_releases_the_gil_holds_the_slice_until_it_returns():
+    gate = SliceGate(max_overrun_s=600.0)  # the safety valve out of reach: only the call's return ends the slice
+    w = _Blocked(gate)
+    returned = threading.Event()
+    granter = threading.Thread(target=lambda: (gate.grant(0.001), returned.set()), daemon=True)
+    w.granting[0] = True
+    granter.start()  # the first slice: the worker enters the blocking call in it
+    assert w.in_native.wait(60)
+    # the slice is long over; a grant that let the call run on beside would have returned by now
+    assert not returned.wait(0.2)
+    w.release()  # the call returns, the worker parks at its return (the slice is over): grant returns
+    assert returned.wait(60)
+    w.granting[0] = False
+    assert not w.after  # parked before its first step: the rest runs in later slices
+    w.finish()
+    assert gate.overruns == 0
+
+    # the safety valve: a call that does not return gives up the slice after max_overrun_s, counted
+    valve = SliceGate(max_overrun_s=0.01)
+    w = _Blocked(valve)
+    while not w.in_native.is_set():  # slices until the worker is inside the blocking call
+        valve.grant(0.001)
+    given_up = valve.overruns
+    valve.grant(0.001)  # returns although the worker is still blocked
+    assert w.thread.is_alive() and valve.overruns == given_up + 1
+    w.release()
+    w.finish()
+
+
+def test_with_native_beside_a_native_call_runs_beside_the_granting_thread():
+    gate = SliceGate(native_beside=True)
+    w = _Blocked(gate)
+    while not w.in_native.is_set():  # slices until the worker is inside the blocking call
         gate.grant(0.001)
     gate.grant(0.001)  # returns although the worker is still blocked (else: this test hangs here)
-    granting[0] = False
-    assert t.is_alive() and not after
-    release.release()  # the call returns; the worker must park before its next step (the slice is over)
-    slices = 0
-    while t.is_alive():
-        granting[0] = True
-        gate.grant(0.001)
-        granting[0] = False
-        slices += 1
-    assert len(after) == 100
-    assert after.count(False) <= slices  # as above: at most one step per slice after a forced switch
-
+    assert w.thread.is_alive() and not w.after
+    w.release()  # the call returns; the worker must park before its next step (the slice is over)
+    w.finish()
