@@ -23,7 +23,13 @@ longest one and the workers' apply reports, and per mode the longest call of eac
 slice or the copy, timed by the worker: the most one engine step was held back by the swap, on the engine's own
 clock, free of the noise of the gaps), with the CPU steal (/proc/stat: time the hypervisor ran other guests on
 this VM's CPUs, which stretches whatever runs meanwhile) during the pushes and during those that held a step longer
-than one step. "staged-beside" is staged with --stage-native-beside true (the GPU default; see the setting).
+than one step, and the CPU time of the swap's work in that call (the time the hypervisor took the CPU and waits
+for one left out: what the swap itself put between two steps). "staged" is staged with this machine's defaults;
+"staged-inline" on the engine's thread (--stage-inline, the CPU default), "staged-thread" on a staging thread of
+its own (--stage-inline false), "staged-beside" that with --stage-native-beside true (the GPU default). For an
+inline push whose longest call exceeded one step, the bench splits that slice's wall time into the work's CPU
+time, the engine thread's wait for a core (the kernel's run delay) and the rest (off the CPU otherwise: steal,
+when the thread did not block).
 The issue's target: a push stalls generation by at most one engine step, i.e. it adds at most one step to the
 longest gap of its window ("added by the push"). "staged" (inplace with --stage-weights, the default) loads the
 new weights into a shadow model in slices between engine steps while generation goes on and stalls for the copy
@@ -42,7 +48,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("staged", "staged-beside", "inplace", "drain")
+MODES = ("staged", "staged-inline", "staged-thread", "staged-beside", "inplace", "drain")
 sys.path.insert(0, str(ROOT))
 
 
@@ -53,7 +59,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--pushes", type=int, default=12, help="pushes in all (the modes take turns)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=["staged", "inplace", "drain"],
-                   help="swap modes to time (staged-beside: staged with --stage-native-beside true)")
+                   help="swap modes to time (staged: this machine's defaults; staged-inline: --stage-inline; "
+                        "staged-thread: --stage-inline false; staged-beside: that with --stage-native-beside true)")
     p.add_argument("--every-s", type=float, default=1.5, help="seconds between pushes")
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--threads", type=int, default=1, help="engine threads")
@@ -162,13 +169,17 @@ async def run(args: argparse.Namespace) -> None:
     pushes: list[tuple[str, float, float, float, float, float, float]] = []
     held: dict[int, float] = {}  # staged pushes: the longest the swap held the engine's loop in one call
     stolen: dict[int, float] = {}  # ... and the share of CPU time the hypervisor took from this VM meanwhile
+    worked: dict[int, float] = {}  # ... and the CPU time of the longest slice's (or the copy's) work
+    where: dict[int, dict[str, float]] = {}  # ... and where the longest slice's wall time went (inline staging)
+    inline, beside = backend.stage_inline, backend.stage_native_beside  # "staged": this machine's defaults
     await asyncio.sleep(args.warmup_s)
     for k in range(args.pushes):
         mode = args.modes[k % len(args.modes)]
         engine.swap_mode = "drain" if mode == "drain" else "inplace"
         backend.stage_weights = mode.startswith("staged")
-        backend.stage_native_beside = mode == "staged-beside"
-        backend.last_stage_s = backend.last_max_slice_s = 0.0
+        backend.stage_inline = {"staged": inline, "staged-inline": True}.get(mode, False)
+        backend.stage_native_beside = {"staged": beside, "staged-beside": True}.get(mode, False)
+        backend.last_stage_s = backend.last_max_slice_s = backend.last_max_slice_cpu_s = 0.0
         backend.last_stage_slices = backend.last_stage_overruns = 0
         t0, ticks0 = time.monotonic(), _cpu_ticks()
         r = await engine.load_weights(str(ckpts[(k + 1) % 2]), engine.version + 1)
@@ -178,9 +189,14 @@ async def run(args: argparse.Namespace) -> None:
             # the longest call of the swap into the engine's loop: a slice (with its 0.3 ms output grace) or the
             # copy; the engine steps between them. What a push held one engine step back by, on the engine's clock
             held[k] = max(backend.last_max_slice_s, backend.last_reload_s)
+            # ... and the CPU time of the swap's work in the longest such call (on a VM, time the hypervisor took
+            # the CPU and waits for a core are left out: what the swap itself put between two steps)
+            worked[k] = max(backend.last_max_slice_cpu_s, backend.last_copy_cpu_s)
+            where[k] = dict(backend.last_longest_slice)
             stolen[k] = _steal_share(ticks0, _cpu_ticks())
             print(f"  {mode} push {k}: {backend.last_stage_slices} slices, longest {backend.last_max_slice_s * 1e3:.2f}"
-                  f" ms, {backend.last_stage_overruns} given up on a native call; apply {backend.last_apply}")
+                  f" ms (its work: {backend.last_max_slice_cpu_s * 1e3:.2f} ms of CPU), "
+                  f"{backend.last_stage_overruns} given up on a native call; apply {backend.last_apply}")
         await asyncio.sleep(args.every_s)
     stop.set()
     await asyncio.gather(*tasks)
@@ -211,6 +227,19 @@ async def run(args: argparse.Namespace) -> None:
                   f"{sum(x <= 1 for x in steps)}/{len(steps)} pushes; CPU steal during the pushes (the hypervisor's "
                   f"share of this VM's CPU time): median {statistics.median(steal):.1%}, during those over one step: "
                   f"{', '.join(f'{x:.1%}' for x in over) or '-'}")
+            for k in (k for k, p in enumerate(pushes) if p[0] == mode and held[k] > step):
+                w = where.get(k, {})
+                if "queued_s" in w:  # inline: the work ran on the engine's thread, so its wall time splits up
+                    rest = w["wall_s"] - w["cpu_s"] - w["queued_s"]
+                    print(f"  push {k} held the engine {held[k] / step:.2f} steps: its longest slice "
+                          f"{w['wall_s'] * 1e3:.2f} ms = CPU {w['cpu_s'] * 1e3:.2f} + waiting for a core in this VM "
+                          f"{w['queued_s'] * 1e3:.2f} + {rest * 1e3:.2f} ms off the CPU otherwise ("
+                          + ("the hypervisor's steal: the thread did not block" if not w["blocked"] else
+                             f"blocked {int(w['blocked'])} times, on a lock or the GIL, or steal") + ")")
+            cpu = [worked[k] / step for k, p in enumerate(pushes) if p[0] == mode]
+            print(f"{mode}: the CPU time of the swap's work in the longest slice or the copy per push (time the "
+                  f"hypervisor took the CPU and waits for one left out) / step: median {statistics.median(cpu):.2f}, "
+                  f"max {max(cpu):.2f}, <= 1 step at {sum(x <= 1 for x in cpu)}/{len(cpu)} pushes")
         for _, t0, t1, _apply_s, drain_s, worker_s, stage_s in mine:
             longest = ", ".join(f"{name} {_longest(gaps, t0, t1) / step:5.2f}" for name, gaps in gap_sets.items())
             before = _longest(gap_sets["engine, in a sample"], t0 - 0.02 - (t1 - t0), t0 - 0.02) / step

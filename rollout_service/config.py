@@ -64,12 +64,18 @@ class RolloutSettings(TokenSettings):
     engine step: 1 ms against ~4-7 ms steps of the tiny model on CPU; with a real model on a GPU (tens of ms
     per step) 5-10 ms finishes a push in far fewer steps."""
     stage_native_beside: bool | None = None
-    """stage_weights: whether the staging's native calls that release the GIL (oneDNN weight packing on CPU,
-    copies to a GPU) may run on beside the engine after their slice is over. false: the slice waits for them
-    (it overruns by what is left of the call, ~1 ms for the tiny model), so the staging never runs beside the
-    engine; right on CPU, where that work takes a core from the engine and the front-end. true: right on a
-    GPU, where a large copy to the device does not compete with the engine and may outlast a step. Default
-    (unset): true on a GPU, false on CPU."""
+    """stage_weights with stage_inline false: whether the staging thread's native calls that release the GIL
+    (oneDNN weight packing on CPU, copies to a GPU) may run on beside the engine after their slice is over.
+    false: the slice waits for them (it overruns by what is left of the call, ~1 ms for the tiny model), so the
+    staging never runs beside the engine; right on CPU, where that work takes a core from the engine and the
+    front-end. true: right on a GPU, where a large copy to the device does not compete with the engine and may
+    outlast a step. Default (unset): true on a GPU, false on CPU."""
+    stage_inline: bool | None = None
+    """stage_weights: run the staging on the engine's own thread, switched in between two steps and out at
+    the first checkpoint (a tensor read, a layer prepared) after its slice (a greenlet: no second thread, so no
+    hand-over of the cores between two threads, which on a loaded CPU machine can hold a step for a wait on the
+    scheduler). false: a staging thread of its own, parked at the first function return after its slice
+    (stage_native_beside applies). Default (unset): true on CPU, false on a GPU."""
     max_num_seqs: int = Field(256, gt=0)
     """Most sequences the engine batches at once (vLLM's max_num_seqs)."""
     max_prompts_per_request: int = Field(16384, gt=0)

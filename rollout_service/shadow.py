@@ -122,6 +122,7 @@ class ShadowModel:
             for item in weights:
                 count += 1
                 yield item
+                checkpoint()  # between two tensors (and the layer a tensor completed, processed on loading it)
 
         with torch.no_grad():
             self._initialize_layers(checkpoint)

@@ -1,13 +1,17 @@
-"""Run a background thread's work in slices granted by another thread, not beside it (the staged swap).
+"""Run background work in slices granted between two steps of another thread, not beside it (the staged swap).
 
-The rollout worker stages pushed weights in a thread while the engine's thread keeps stepping; both are
-Python, so they would fight for the GIL, and a thread that holds it for 5 ms (the interpreter's switch
-interval) delays an engine step by as much. `SliceGate` hands the GIL over explicitly instead: the engine's
-thread calls `grant(slice_s)` between two steps; the worker runs until the slice is over and parks itself
-at the next function return (a profile hook on the worker thread), so each step is delayed by at most one
-slice. A native call that releases the GIL (oneDNN weight packing, a large copy) may outlast the slice:
-`grant` returns after the slice and a grace period, the call goes on beside the engine (on another core),
-and the worker parks as soon as it returns.
+The rollout worker stages pushed weights while the engine's thread keeps stepping; both are Python, so on
+two threads they would fight for the GIL, and a thread that holds it for 5 ms (the interpreter's switch
+interval) delays an engine step by as much. Two ways to run the staging in slices, each granted by the
+engine's thread (`grant(slice_s)`) between two steps:
+- `InlineSlices` (the CPU default): no second thread. The work is a greenlet on the engine's thread, switched
+  in by `grant` and back out at the first `checkpoint()` after the slice is over (between two tensors, two
+  layers). A slice is exactly the work it ran; nothing waits for another thread to be woken or to park.
+- `SliceGate`: the work runs on a thread of its own and parks itself at the next function return after its
+  slice (a profile hook on that thread). A native call that releases the GIL (oneDNN weight packing, a large
+  copy) may outlast the slice: by default the slice waits for it; with `native_beside` (a GPU) it goes on
+  beside the engine and the worker parks as soon as it returns. Each slice hands the GIL between two threads,
+  and on a loaded machine either may then wait for a core (bench/bench_swap.py measures both ways).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class SliceGate:
         self._deadline = 0.0
         self._done = False
         self._parking = False  # the hook must not park again inside _park (called directly, it is profiled)
+        self._cpu = 0.0  # the worker's own CPU seconds (time.thread_time) when it last parked or left
+        self.last_cpu_s = 0.0  # the worker's CPU seconds from its park before the last grant to its park after
 
     def start(self, work: Callable[[], Any], done: Callable[[Any, BaseException | None], None],
               name: str = "slice-gate") -> threading.Thread:
@@ -76,6 +82,7 @@ class SliceGate:
 
     def leave(self) -> None:
         sys.setprofile(None)
+        self._cpu = time.thread_time()
         with self._cv:
             self._done = True
             self._cv.notify_all()
@@ -91,6 +98,7 @@ class SliceGate:
     def _park(self) -> None:
         self._parking = True
         try:
+            self._cpu = time.thread_time()
             with self._cv:
                 self._parked = self._granted
                 self._cv.notify_all()
@@ -108,10 +116,99 @@ class SliceGate:
                 return 0.0
             self._granted += 1
             n = self._granted
+            cpu = self._cpu
             self._deadline = time.perf_counter() + slice_s
             self._cv.notify_all()
             extra = self.GRACE_S if self.native_beside else self.max_overrun_s
             if not self._cv.wait_for(lambda: self._parked >= n or self._done, timeout=slice_s + extra):
                 self.overruns += not self.native_beside
+            self.last_cpu_s = self._cpu - cpu  # a worker that did not park yet: counted in a later slice
         return time.perf_counter() - start
 
+
+
+class InlineSlices:
+    """Runs work on the granting thread itself, in slices, with no second thread: the work is a greenlet (its
+    own stack on the same OS thread) that `grant` switches into and that switches back at the first
+    `checkpoint()` after the slice's deadline.
+
+    `SliceGate` hands the GIL between two threads; every slice is a wake-up of the worker and one of the
+    granting thread, and on a loaded machine either may wait for a core while the other is parked (measured on
+    the 2-core VM: 1-11 ms of such waits in slices of 1 ms). Here a switch is a stack swap inside one thread,
+    so a slice holds the granting thread for exactly the work it ran: the slice plus the work up to the next
+    checkpoint. Checkpoints are where the work calls `checkpoint()` (worker_ext: each tensor read, each layer
+    prepared), so the longest slice is bounded by the longest stretch between two of them, native calls
+    included (they run in the slice; on CPU that is where they belong: beside the engine they take its core).
+
+    `swap_state=(get, set)`: thread-local state the work and the granting thread each keep for themselves
+    (worker_ext: torch's grad mode), saved and restored at every switch.
+    Use from one thread: `start` and every `grant` (the engine's thread); `checkpoint` inside the work."""
+
+    def __init__(self, swap_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None) -> None:
+        self.overruns = 0  # SliceGate's interface: an inline slice cannot be given up, it ends at a checkpoint
+        self._swap_state = swap_state
+        self._work_state: Any = None
+        self._glet: Any = None
+        self._caller: Any = None
+        self._thread = 0
+        self._deadline = 0.0
+        self.last_cpu_s = 0.0  # the CPU seconds (of this thread) the last grant's work took
+
+    def start(self, work: Callable[[], Any], done: Callable[[Any, BaseException | None], None],
+              name: str = "inline-slices") -> InlineSlices:  # noqa: ARG002 (SliceGate's interface)
+        """Prepare `work()` to run in the slices `grant` gives; `done(result, error)` runs at its end (in the
+        last slice). Returns self (`is_alive()`, as SliceGate's thread)."""
+        import greenlet
+
+        def main() -> None:
+            result, error = None, None
+            try:
+                result = work()
+            except greenlet.GreenletExit:  # dropped unfinished (the worker shut down): nothing to report
+                raise
+            except BaseException as e:
+                error = e
+            done(result, error)
+
+        self._thread = threading.get_ident()
+        self._glet = greenlet.greenlet(main)
+        if self._swap_state is not None:
+            self._work_state = self._swap_state[0]()  # the work starts in the state of the thread that started it
+        return self
+
+    def is_alive(self) -> bool:
+        return self._glet is not None and not self._glet.dead
+
+    def checkpoint(self) -> None:
+        """Inside the work: return to the granting thread if the slice is over (elsewhere: nothing)."""
+        import greenlet
+
+        if greenlet.getcurrent() is self._glet and time.perf_counter() >= self._deadline:
+            self._caller.switch()
+
+    def grant(self, slice_s: float) -> float:
+        """Run the work until the first checkpoint after `slice_s` (or its end); returns the seconds it ran (wall;
+        `last_cpu_s`: the CPU seconds of it, which on a VM leave out the time the hypervisor took the CPU)."""
+        import greenlet
+
+        start = time.perf_counter()
+        if not self.is_alive():
+            return 0.0
+        if threading.get_ident() != self._thread:
+            raise RuntimeError("InlineSlices.grant must be called from the thread that started the work")
+        self._caller = greenlet.getcurrent()
+        self._glet.parent = self._caller  # the work's end returns here too
+        outer = None
+        if self._swap_state is not None:
+            outer = self._swap_state[0]()
+            self._swap_state[1](self._work_state)
+        cpu = time.thread_time()
+        self._deadline = time.perf_counter() + slice_s
+        try:
+            self._glet.switch()
+        finally:
+            if self._swap_state is not None:
+                self._work_state = self._swap_state[0]()
+                self._swap_state[1](outer)
+            self.last_cpu_s = time.thread_time() - cpu
+        return time.perf_counter() - start

@@ -6,7 +6,8 @@ temperature), abort, in-place reload through the worker extension (`worker_ext.p
 Reload with requests in flight (`keep_running=True`, swap mode "inplace"):
 - staged (`stage_weights`, the default): the worker loads the file into a shadow of the model (`shadow.py`) in
   slices of `stage_slice_ms`, one per `collective_rpc` and so one between two engine steps, while the engine
-  generates (`stage_native_beside`: whether a native call may run on past its slice); then one
+  generates (`stage_inline`: on the engine's own thread, the CPU default, or on a staging thread of its own;
+  `stage_native_beside`: whether that thread's native calls may run on past its slice); then one
   `collective_rpc` copies the staged tensors in. A utility call runs between two engine steps, and the engine
   core reads its inputs (requests and utility calls) in order and writes its outputs (tokens and utility
   replies) in order, so no pause is needed: requests sent after the apply see only the new weights, and the
@@ -54,12 +55,18 @@ class VllmBackend:
         self.last_stage_s = 0.0  # staged swaps: the background load before the apply (generation goes on)
         self.last_stage_slices = 0  # ... in how many slices between engine steps
         self.last_max_slice_s = 0.0  # ... the longest of them (what one engine step was delayed by at most)
+        self.last_max_slice_cpu_s = 0.0  # ... the CPU time of the staging's work in it (steal and waits left out)
+        self.last_copy_cpu_s = 0.0  # the CPU time of the apply's copy
+        self.last_longest_slice: dict[str, float] = {}  # the longest slice: wall, CPU, waits (worker_ext)
         self.last_apply: list[dict[str, Any]] = []  # the workers' apply reports
         self.stage_weights = bool(getattr(settings, "stage_weights", False))
         self.stage_slice_ms = float(getattr(settings, "stage_slice_ms", 1.0))
         beside = getattr(settings, "stage_native_beside", None)
         # unset: beside on a GPU (copies to the device do not compete with the engine), in the slice on CPU
         self.stage_native_beside = engine_settings.get("device", "cpu") != "cpu" if beside is None else bool(beside)
+        inline = getattr(settings, "stage_inline", None)
+        # unset: on the engine's thread on CPU (no second thread to hand the cores between), a thread on a GPU
+        self.stage_inline = engine_settings.get("device", "cpu") == "cpu" if inline is None else bool(inline)
         self.last_stage_overruns = 0  # slices given up on a native call that did not return (see SliceGate)
         self.stage_failures = 0
         self.last_route = ""  # how the last in-place reload was applied: staged | paused
@@ -79,6 +86,7 @@ class VllmBackend:
             "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
         }
         if self.stage_weights:
+            self.engine_settings["stage_inline"] = self.stage_inline
             self.engine_settings["stage_native_beside"] = self.stage_native_beside
 
     @classmethod
@@ -208,6 +216,9 @@ class VllmBackend:
                 self.last_stage_slices = max(int(r["slices"]) for r in results)
                 self.last_apply = results
                 self.last_max_slice_s = max(float(r["max_slice_s"]) for r in results)
+                self.last_max_slice_cpu_s = max(float(r["max_slice_cpu_s"]) for r in results)
+                self.last_longest_slice = dict(max(results, key=lambda r: float(r["max_slice_s"]))["longest_slice"])
+                self.last_copy_cpu_s = max(float(r["copy_cpu_seconds"]) for r in results)
                 self.last_stage_overruns = max(int(r.get("overruns", 0)) for r in results)
                 self.last_route = "staged"
                 # The apply's reply precedes every output of later engine steps on the output channel, so
@@ -234,7 +245,8 @@ class VllmBackend:
         t0 = time.perf_counter()
         try:
             await self._llm.collective_rpc("forkrl_stage_safetensors",
-                                           args=(path, self.stage_slice_ms / 1e3, self.stage_native_beside))
+                                           args=(path, self.stage_slice_ms / 1e3, self.stage_native_beside,
+                                                 self.stage_inline))
         except Exception as e:
             raise _StagingFailed(f"{type(e).__name__}: {e}") from e
         while True:  # at most one slice per call; the engine core runs a step between two calls

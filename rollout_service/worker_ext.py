@@ -22,7 +22,7 @@ import torch
 
 from forkrl.weights.safetensors import _ST_DTYPES, checkpoint_files, iter_safetensors, read_header
 from rollout_service.shadow import ShadowModel  # imported with the worker: no import inside a staging slice
-from rollout_service.slices import SliceGate
+from rollout_service.slices import InlineSlices, SliceGate
 
 # bf16 engines on CPU die with SIGILL inside the attention kernels unless AMX tiles were requested for
 # the process before first use; the worker imports this module at start-up, which is early enough.
@@ -64,6 +64,10 @@ class WeightReloadExtension:
     # (oneDNN weight packing, a tensor copy) may outlast the slice: by default the slice waits for it (on CPU
     # it would compete with the engine for the cores); with `native_beside` (a GPU: copies to the device do
     # not compete) the engine goes on beside it and the staging thread parks when the call returns.
+    # With `inline` (the CPU default) there is no staging thread: the staging is a greenlet on this thread
+    # (`InlineSlices`), switched in by `forkrl_stage_status` and out at the first checkpoint after its slice (a
+    # tensor read, a layer prepared), so no slice waits for a thread to be woken or to park; it ends after the
+    # stretch of work it is in (on the tiny model on CPU one tensor and its layer's processing: ~3 ms).
     def forkrl_prepare_shadow(self, path: str = "") -> dict[str, Any]:
         """Build the shadow model now (at start-up), so the first push's slices do not include it; with `path`
         (the served checkpoint), stage it once (nothing is applied), so a model the staging cannot handle
@@ -80,14 +84,18 @@ class WeightReloadExtension:
             state["shadow"].ready = False
         return {"bytes": state["shadow"].nbytes(), "trial_s": time.perf_counter() - start if files else 0.0}
 
-    def forkrl_stage_safetensors(self, path: str, slice_s: float, native_beside: bool = False) -> dict[str, Any]:
-        """Prepare a staged load of `path`; the work happens in the slices `forkrl_stage_status` grants."""
+    def forkrl_stage_safetensors(self, path: str, slice_s: float, native_beside: bool = False,
+                                 inline: bool = False) -> dict[str, Any]:
+        """Prepare a staged load of `path`; the work happens in the slices `forkrl_stage_status` grants (on
+        this thread with `inline`: `InlineSlices`; else on a staging thread of its own: `SliceGate`)."""
         state = _staging(self)
         if state["thread"] is not None and state["thread"].is_alive():
             raise RuntimeError("a staged reload is already in progress")
-        gate = SliceGate(native_beside=bool(native_beside))
+        gate: SliceGate | InlineSlices = (InlineSlices(swap_state=(torch.is_grad_enabled, torch.set_grad_enabled))
+                                          if inline else SliceGate(native_beside=bool(native_beside)))
         state.update(status="running", error="", tensors=0, seconds=0.0, slices=0, slice_s=float(slice_s),
-                     gate=gate, last_end=0.0, max_slice_s=0.0, overruns=0)
+                     gate=gate, last_end=0.0, max_slice_s=0.0, max_slice_cpu_s=0.0,
+                     longest_slice={}, overruns=0)
         start = time.perf_counter()
 
         def work() -> int:
@@ -116,42 +124,74 @@ class WeightReloadExtension:
     def forkrl_stage_status(self) -> dict[str, Any]:
         """Grant the staging one slice (if it is running), then report: running | ready | failed (with the
         error), the tensors read, the staging seconds (wall, slices and the steps between them), the slices, the
-        longest time one call held the engine (`max_slice_s`) and the slices given up on a native call that did
-        not return (`overruns`: it then ran on beside the engine)."""
+        longest time one call held the engine (`max_slice_s`; `max_slice_cpu_s`: the longest CPU time of the
+        staging's work in one slice, which leaves out time the hypervisor took the CPU and waits for one) and
+        the slices given up on a native call that did not return (`overruns`: it then ran on beside the
+        engine)."""
         state = _staging(self)
         # at most one slice per slice_s of wall time: calls that come closer (several between two engine
         # steps) only report, so the engine gets at least half of the time
         if state["status"] == "running" and time.perf_counter() - state["last_end"] >= state["slice_s"]:
             state["slices"] += 1
+            inline = isinstance(state["gate"], InlineSlices)
+            sched = _sched_now() if inline else None
             t0 = time.perf_counter()
             state["gate"].grant(state["slice_s"])
             state["last_end"] = time.perf_counter()
-            state["max_slice_s"] = max(state["max_slice_s"], state["last_end"] - t0)  # all the engine waited
+            wall = state["last_end"] - t0
+            if wall > state["max_slice_s"]:  # all the engine waited, and where the time went
+                state["max_slice_s"] = wall
+                after = _sched_now() if sched is not None else None
+                # inline, the work ran on this thread: wall = its CPU time + waits for a core in this VM
+                # (queued) + blocking (a lock, the GIL: `blocked` > 0) + what is left, the hypervisor's steal
+                state["longest_slice"] = {"wall_s": wall, "cpu_s": state["gate"].last_cpu_s} | (
+                    {"queued_s": after[0] - sched[0], "blocked": after[1] - sched[1]} if after is not None else {})
+            state["max_slice_cpu_s"] = max(state["max_slice_cpu_s"], state["gate"].last_cpu_s)  # the work in it
             state["overruns"] = state["gate"].overruns
-        return {k: state[k] for k in ("status", "error", "tensors", "seconds", "slices", "max_slice_s", "overruns")}
+        return {k: state[k] for k in ("status", "error", "tensors", "seconds", "slices", "max_slice_s",
+                                      "max_slice_cpu_s", "overruns")}
 
     def forkrl_apply_staged(self) -> dict[str, Any]:
         """Copy the staged weights into the served model; runs between two engine steps."""
         state = _staging(self)
         if state["status"] != "ready":
             raise RuntimeError(f"no staged weights to apply (staging {state['status']}: {state['error']})")
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         copied = state["shadow"].apply()
-        copy_s = time.perf_counter() - start
+        copy_s, copy_cpu_s = time.perf_counter() - start, time.thread_time() - cpu
         runner = self.model_runner  # type: ignore[attr-defined]
         for reset in ("reset_encoder_cache", "reset_mm_cache"):  # what vLLM's reload_weights also drops
             if hasattr(runner, reset):
                 getattr(runner, reset)()
         state["status"] = "idle"
         return {"tensors": copied, "seconds": time.perf_counter() - start, "copy_seconds": copy_s,
+                "copy_cpu_seconds": copy_cpu_s,
                 "stage_seconds": state["seconds"],
-                "slices": state["slices"], "max_slice_s": state["max_slice_s"], "overruns": state["overruns"]}
+                "slices": state["slices"], "max_slice_s": state["max_slice_s"],
+                "max_slice_cpu_s": state["max_slice_cpu_s"], "longest_slice": state["longest_slice"],
+                "overruns": state["overruns"]}
+
+
+def _sched_now() -> tuple[float, int] | None:
+    """This thread's seconds spent runnable but waiting for a CPU (the kernel's schedstat run delay) and its
+    voluntary context switches (it blocked: on a lock, the GIL), from /proc (Linux); None where unavailable."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            queued = int(f.read().split()[1]) / 1e9
+        with open("/proc/thread-self/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return queued, int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _staging(worker: Any) -> dict[str, Any]:
     if not hasattr(worker, "_forkrl_staging"):
         worker._forkrl_staging = {"thread": None, "shadow": None, "status": "idle", "error": "", "tensors": 0,
-                                  "seconds": 0.0, "slices": 0, "max_slice_s": 0.0, "overruns": 0}
+                                  "seconds": 0.0, "slices": 0, "max_slice_s": 0.0, "max_slice_cpu_s": 0.0,
+                                  "longest_slice": {}, "overruns": 0}
     return worker._forkrl_staging
 
 

@@ -1,4 +1,4 @@
-"""SliceGate (rollout_service/slices.py): the staged swap's worker thread runs only inside granted slices.
+"""SliceGate and InlineSlices (rollout_service/slices.py): the staged swap's work runs only inside granted slices.
 
 Nothing here depends on timing. The invariant is observable state: the granting thread holds a flag up while
 it is inside `grant` and down while it runs its own Python between two grants (the engine's step), and the
@@ -8,13 +8,16 @@ ever see the flag down. A native call that releases the GIL (here: a blocking lo
 it returns and the worker parked (the default: the worker never runs beside the granting thread, not even in native
 code), up to `max_overrun_s` (counted); with `native_beside=True` it does not hold the granting thread: `grant`
 returns while the worker is still blocked in it, or that test hangs.
+InlineSlices runs the work on the granting thread itself (a greenlet) and switches back at a checkpoint once the
+slice is over: with slices that are over before they start, each grant runs exactly one checkpoint-to-checkpoint
+stretch, which pins down its behaviour with no timing at all.
 """
 
 from __future__ import annotations
 
 import threading
 
-from rollout_service.slices import SliceGate
+from rollout_service.slices import InlineSlices, SliceGate
 
 
 def _run(gate: SliceGate, work) -> threading.Thread:  # noqa: ANN001
@@ -164,3 +167,97 @@ def test_with_native_beside_a_native_call_runs_beside_the_granting_thread():
     assert w.thread.is_alive() and not w.after
     w.release()  # the call returns; the worker must park before its next step (the slice is over)
     w.finish()
+
+
+def test_inline_work_runs_on_the_granting_thread_one_stretch_per_expired_slice():
+    gate = InlineSlices()
+    granting = [False]
+    seen: list[tuple[int, bool]] = []
+    out: list = []
+
+    def work() -> str:
+        for _ in range(5):
+            seen.append((threading.get_ident(), granting[0]))
+            gate.checkpoint()  # the slice is over: back to the granting thread
+        return "done"
+
+    handle = gate.start(work, lambda r, e: out.append((r, e)))
+    assert handle is gate and gate.is_alive() and not seen  # nothing runs before the first grant
+    gate.checkpoint()  # outside the work: nothing happens
+    for k in range(1, 6):
+        granting[0] = True
+        gate.grant(0.0)
+        granting[0] = False
+        assert len(seen) == k and gate.is_alive()  # exactly one stretch per grant
+    assert not out
+    gate.grant(0.0)  # the last stretch: from the fifth checkpoint to the end, then `done`
+    assert not gate.is_alive() and out == [("done", None)]
+    assert seen == [(threading.get_ident(), True)] * 5  # on this thread, and only inside grant
+    assert gate.grant(0.0) == 0.0 and gate.overruns == 0  # after the end: nothing to grant
+
+
+def test_inline_work_runs_to_its_checkpoint_after_the_deadline_and_reports_errors():
+    gate = InlineSlices()
+    steps = [0]
+
+    def work() -> None:
+        while steps[0] < 3:
+            steps[0] += 1
+            gate.checkpoint()
+
+    gate.start(work, lambda r, e: None)
+    gate.grant(600.0)  # a slice that cannot expire: the work runs to its end in it
+    assert steps == [3] and not gate.is_alive()
+
+    errors: list = []
+    failing = InlineSlices()
+
+    def fail() -> None:
+        failing.checkpoint()
+        raise ZeroDivisionError
+
+    failing.start(fail, lambda r, e: errors.append((r, type(e))))
+    failing.grant(0.0)
+    assert errors == [] and failing.is_alive()  # parked at its checkpoint, before the error
+    failing.grant(0.0)  # the error reaches `done`, not the granting thread
+    assert errors == [(None, ZeroDivisionError)] and not failing.is_alive()
+
+
+def test_inline_swap_state_keeps_each_side_its_own_value():
+    """worker_ext passes torch's grad mode: the staging runs under no_grad, the engine keeps its own mode."""
+    state = ["engine"]
+    gate = InlineSlices(swap_state=(lambda: state[0], lambda v: state.__setitem__(0, v)))
+    inside: list[str] = []
+
+    def work() -> None:
+        inside.append(state[0])  # starts in the state of the thread that started it
+        state[0] = "staging"
+        gate.checkpoint()
+        inside.append(state[0])  # its own again after the granting side changed it in between
+
+    gate.start(work, lambda r, e: None)
+    state[0] = "engine, later"
+    gate.grant(0.0)
+    assert state == ["engine, later"]  # the granting side's own value back after the slice
+    state[0] = "engine, step 2"
+    gate.grant(0.0)
+    assert inside == ["engine", "staging"] and state == ["engine, step 2"]
+
+
+def test_inline_grant_from_another_thread_is_refused():
+    gate = InlineSlices()
+    gate.start(lambda: None, lambda r, e: None)
+    errors: list = []
+
+    def other() -> None:
+        try:
+            gate.grant(0.0)
+        except RuntimeError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(30)
+    assert len(errors) == 1 and gate.is_alive()
+    gate.grant(0.0)
+    assert not gate.is_alive()

@@ -27,16 +27,18 @@ pytestmark = pytest.mark.slow
 PROMPT = "hello world"  # out of distribution: the tiny model runs long on it
 
 
-@pytest.fixture(scope="module", params=["staged", "paused"])
+@pytest.fixture(scope="module", params=["staged", "staged-thread", "paused"])
 def service(request: pytest.FixtureRequest, tiny_model_dir: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceAddress]:
-    """staged: --stage-weights (the default: a shadow model loaded between steps, then a copy); paused:
-    --stage-weights false (pause, vLLM's reload, resume)."""
+    """staged: --stage-weights (the default: a shadow model loaded between steps, then a copy; on CPU the
+    staging runs on the engine's thread, --stage-inline); staged-thread: the same on a staging thread of its
+    own (--stage-inline false, the GPU default); paused: --stage-weights false (pause, vLLM's reload, resume)."""
     staging = tmp_path_factory.mktemp(f"staging-{request.param}")
+    inline = {"staged-thread": {"stage_inline": False}}.get(request.param, {})
     with start_rollout_service(tiny_model_dir, seed=0, kv_cache_gib=1, staging_dir=staging, swap_mode="inplace",
-                               stage_weights=request.param == "staged",
+                               stage_weights=request.param != "paused", **inline,
                                log_path=staging / "rollout.log") as address:
-        address.route = request.param  # type: ignore[attr-defined]
+        address.route = request.param.split("-")[0]  # type: ignore[attr-defined]
         yield address
 
 
