@@ -418,8 +418,13 @@ class RolloutEngine:
         t1 = time.perf_counter()
         if was_broken:
             await self._set_serving(True)
-        log.info("weights v%d in place (in flight kept, %s): apply %.3f s", target_version,
-                 getattr(self.backend, "last_route", "") or "reloaded", t1 - t0)
+        route = getattr(self.backend, "last_route", "") or "reloaded"
+        held = ""
+        if route == "staged":  # the stall: the longest call of the swap into the engine's loop (slice or copy)
+            b = self.backend
+            held = (f"; the engine held at most {max(b.last_max_slice_s, b.last_reload_s) * 1e3:.1f} ms at a time "
+                    f"({b.last_stage_slices} slices, then the copy)")
+        log.info("weights v%d in place (in flight kept, %s): apply %.3f s%s", target_version, route, t1 - t0, held)
         return SwapResult(version=target_version, apply_s=t1 - t0, drain_s=0.0)
 
     def _abort_for_swap(self) -> None:

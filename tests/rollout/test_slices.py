@@ -16,6 +16,7 @@ stretch, which pins down its behaviour with no timing at all.
 from __future__ import annotations
 
 import threading
+import time
 
 from rollout_service.slices import InlineSlices, SliceGate
 
@@ -261,3 +262,32 @@ def test_inline_grant_from_another_thread_is_refused():
     assert len(errors) == 1 and gate.is_alive()
     gate.grant(0.0)
     assert not gate.is_alive()
+
+
+def _burn(n: int = 200_000) -> float:
+    """Pure Python work; returns its own CPU seconds (time.thread_time of the thread it ran on)."""
+    c0 = time.thread_time()
+    sum(k * k for k in range(n))
+    return time.thread_time() - c0
+
+
+def test_each_gate_reports_the_cpu_time_of_the_work_in_the_last_slice():
+    """`last_cpu_s` (bench_swap's "the swap's work") holds at least the CPU time the work measured for itself
+    inside that slice: a monotone clock of the thread that ran it, so no timing is assumed."""
+    inline = InlineSlices()
+    inside: list[float] = []
+
+    def work() -> None:
+        inside.append(_burn())
+        inline.checkpoint()
+
+    inline.start(work, lambda r, e: None)
+    inline.grant(0.0)
+    assert inside and inline.last_cpu_s >= inside[0] > 0
+
+    gate = SliceGate()
+    burnt: list[float] = []
+    t = gate.start(lambda: burnt.append(_burn()), lambda r, e: None)
+    gate.grant(600.0)  # a slice that cannot expire: the work runs to its end in it
+    t.join(60)
+    assert burnt and gate.last_cpu_s >= burnt[0] > 0
