@@ -171,6 +171,7 @@ async def run(args: argparse.Namespace) -> None:
     stolen: dict[int, float] = {}  # ... and the share of CPU time the hypervisor took from this VM meanwhile
     worked: dict[int, float] = {}  # ... and the CPU time of the longest slice's (or the copy's) work
     where: dict[int, dict[str, float]] = {}  # ... and where the longest slice's wall time went (inline staging)
+    copies: dict[int, tuple[float, float]] = {}  # ... and the final copy's wall and CPU seconds
     inline, beside = backend.stage_inline, backend.stage_native_beside  # "staged": this machine's defaults
     await asyncio.sleep(args.warmup_s)
     for k in range(args.pushes):
@@ -193,6 +194,7 @@ async def run(args: argparse.Namespace) -> None:
             # the CPU and waits for a core are left out: what the swap itself put between two steps)
             worked[k] = max(backend.last_max_slice_cpu_s, backend.last_copy_cpu_s)
             where[k] = dict(backend.last_longest_slice)
+            copies[k] = (backend.last_reload_s, backend.last_copy_cpu_s)
             stolen[k] = _steal_share(ticks0, _cpu_ticks())
             print(f"  {mode} push {k}: {backend.last_stage_slices} slices, longest {backend.last_max_slice_s * 1e3:.2f}"
                   f" ms (its work: {backend.last_max_slice_cpu_s * 1e3:.2f} ms of CPU), "
@@ -229,7 +231,11 @@ async def run(args: argparse.Namespace) -> None:
                   f"{', '.join(f'{x:.1%}' for x in over) or '-'}")
             for k in (k for k, p in enumerate(pushes) if p[0] == mode and held[k] > step):
                 w = where.get(k, {})
-                if "queued_s" in w:  # inline: the work ran on the engine's thread, so its wall time splits up
+                copy_s, copy_cpu_s = copies[k]
+                if copy_s >= w.get("wall_s", 0.0):  # the final copy was the push's longest call
+                    print(f"  push {k} held the engine {held[k] / step:.2f} steps in its copy: {copy_s * 1e3:.2f} ms, "
+                          f"of it CPU {copy_cpu_s * 1e3:.2f} ms")
+                elif "queued_s" in w:  # inline: the work ran on the engine's thread, so its wall time splits up
                     rest = w["wall_s"] - w["cpu_s"] - w["queued_s"]
                     print(f"  push {k} held the engine {held[k] / step:.2f} steps: its longest slice "
                           f"{w['wall_s'] * 1e3:.2f} ms = CPU {w['cpu_s'] * 1e3:.2f} + waiting for a core in this VM "
