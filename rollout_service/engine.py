@@ -424,6 +424,10 @@ class RolloutEngine:
             b = self.backend
             held = (f"; the engine held at most {max(b.last_max_slice_s, b.last_reload_s) * 1e3:.1f} ms at a time "
                     f"({b.last_stage_slices} slices, then the copy)")
+            stretch = getattr(b, "last_longest_stretch", {})
+            if stretch:  # inline: what bounds a slice (a checkpoint-to-checkpoint stretch of the swap's work)
+                held += (f"; its longest stretch of work {stretch['cpu_s'] * 1e3:.1f} ms of CPU ({stretch['at']}; "
+                         f"{stretch['layer_step_checkpoints']} checkpoints before a layer step)")
         log.info("weights v%d in place (in flight kept, %s): apply %.3f s%s", target_version, route, t1 - t0, held)
         return SwapResult(version=target_version, apply_s=t1 - t0, drain_s=0.0)
 

@@ -26,6 +26,7 @@ the first copy, so a failed `apply` leaves the served weights as they were.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import time
 from collections.abc import Callable, Iterable
@@ -36,6 +37,42 @@ import torch
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, get_layerwise_info
 from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+
+# the checkpoint of the staging running in this context (a greenlet or a thread: each has its own), called by the
+# wrappers below inside vLLM's pipeline; None elsewhere (the engine's own loading, other threads)
+_CHECKPOINT: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("forkrl_stage_checkpoint",
+                                                                                       default=None)
+# vLLM's layerwise steps that take a layer's share of a reload (on CPU 0.1-3 ms each on the tiny model): a
+# checkpoint before each, named after the step and the layer, so the staging can park before it (slices.py)
+LAYER_STEPS = ("_layerwise_process", "_copy_and_restore_kernel_tensors", "_finalize_attention_layer")
+
+
+def _install_layer_checkpoints() -> int:
+    """Wrap vLLM's layerwise steps (module globals of `reload.layerwise`, looked up at each call) with a
+    checkpoint before each; returns how many are wrapped (0 where that vLLM internal is not there: the
+    staging then checkpoints between tensors only). Idempotent; outside a staging the wrappers only call."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:
+        return 0
+    wrapped = 0
+    for name in LAYER_STEPS:
+        step = getattr(layerwise, name, None)
+        if step is None:
+            continue
+        if not getattr(step, "_forkrl_checkpointed", False):
+            def before(layer: torch.nn.Module, *args: Any, _step: Callable = step, _name: str = name,
+                       **kwargs: Any) -> Any:
+                checkpoint = _CHECKPOINT.get()
+                if checkpoint is not None:
+                    checkpoint((_name, id(layer)))
+                return _step(layer, *args, **kwargs)
+
+            before._forkrl_checkpointed = True  # type: ignore[attr-defined]
+            setattr(layerwise, name, before)
+        wrapped += 1
+    return wrapped
+
 
 # module attributes that are the module's structure, not state a reload re-binds
 _STRUCTURE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"})
@@ -56,7 +93,7 @@ def _bind_to(tensor: torch.Tensor, old: Any, new: torch.nn.Module) -> torch.Tens
 class ShadowModel:
     """A shadow of `live` (the served vLLM model) for staged reloads; see the module docstring."""
 
-    def __init__(self, live: torch.nn.Module, checkpoint: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, live: torch.nn.Module, checkpoint: Callable[..., None] = lambda *_: None) -> None:
         self.live = live
         self.pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         clones: dict[int, torch.Tensor] = {}  # id(served tensor) -> its clone: shared tensors stay shared
@@ -95,6 +132,7 @@ class ShadowModel:
                                     {k: _bind_to(v, m, s) for k, v in buffers.items()})
             dst.restore_device = src.restore_device
         self.rebound: list[tuple[torch.nn.Module, dict[str, Any]]] = []
+        self.layer_checkpoints = _install_layer_checkpoints()  # vLLM steps with a checkpoint before each
         self.ready = False
         self.stage_s = 0.0
 
@@ -109,9 +147,10 @@ class ShadowModel:
         return total
 
     def stage(self, vllm_config: Any, weights: Iterable[tuple[str, torch.Tensor]],
-              checkpoint: Callable[[], None] = lambda: None) -> int:
+              checkpoint: Callable[..., None] = lambda *_: None) -> int:
         """Load `weights` (checkpoint format) into the shadow; returns the number of tensors read.
-        `checkpoint` is called between layers while they are prepared (the caller may park the thread)."""
+        `checkpoint` is called between two tensors, between layers while they are prepared and, named
+        `(step, id(layer))`, before each layerwise step of vLLM's pipeline (the caller may park the thread)."""
         t0 = time.perf_counter()
         self.ready = False
         before = [(m, s, dict(s.__dict__)) for m, s in self.pairs]
@@ -122,13 +161,17 @@ class ShadowModel:
             for item in weights:
                 count += 1
                 yield item
-                checkpoint()  # between two tensors (and the layer a tensor completed, processed on loading it)
+                checkpoint(("read", count))  # between two tensors
 
-        with torch.no_grad():
-            self._initialize_layers(checkpoint)
-            reload_weights(vllm_config, self.model, weights_iterator=counted(), weights_path=None,
-                           is_checkpoint_format=True)
-        checkpoint()
+        token = _CHECKPOINT.set(checkpoint)  # the layerwise steps' checkpoints (this greenlet or thread only)
+        try:
+            with torch.no_grad():
+                self._initialize_layers(checkpoint)
+                reload_weights(vllm_config, self.model, weights_iterator=counted(), weights_path=None,
+                               is_checkpoint_format=True)
+        finally:
+            _CHECKPOINT.reset(token)
+        checkpoint(("rebind",))
         self.rebound = []
         for m, s, old in before:
             changed = {k: v for k, v in s.__dict__.items()
@@ -136,13 +179,21 @@ class ShadowModel:
                        and (k not in old or old[k] is not v)}
             if changed:
                 self.rebound.append((m, changed))
-        checkpoint()
+        checkpoint(("check",))
         self._check()
         self.ready = True
         self.stage_s = time.perf_counter() - t0
         return count
 
-    def _initialize_layers(self, checkpoint: Callable[[], None]) -> None:
+    def describe(self, label: Any) -> str:
+        """A checkpoint's label in words: `(step, id(layer))` names the shadow layer by its module path."""
+        if isinstance(label, tuple) and len(label) == 2 and isinstance(label[1], int) and label[0] != "read":
+            for name, m in self.model.named_modules():
+                if id(m) == label[1]:
+                    return f"{label[0]} {name or type(m).__name__}"
+        return " ".join(map(str, label)) if isinstance(label, tuple) else str(label)
+
+    def _initialize_layers(self, checkpoint: Callable[..., None]) -> None:
         """vLLM's `initialize_layerwise_reload` layer by layer, with a checkpoint between layers (it skips
         layers that are initialized already, so `reload_weights` then only loads): one long stretch of
         work fewer between two checkpoints. Without those vLLM internals, `reload_weights` does it at once."""
@@ -156,7 +207,7 @@ class ShadowModel:
         except ImportError:
             return
         for layer in self.model.modules():
-            checkpoint()
+            checkpoint(("init", id(layer)))
             info = get_layerwise_info(layer)
             if info.can_load():
                 continue

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 
@@ -87,7 +87,7 @@ class SliceGate:
             self._done = True
             self._cv.notify_all()
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, label: Hashable = None) -> None:  # noqa: ARG002 (InlineSlices' interface)
         if time.perf_counter() >= self._deadline:
             self._park()
 
@@ -140,11 +140,25 @@ class InlineSlices:
     prepared), so the longest slice is bounded by the longest stretch between two of them, native calls
     included (they run in the slice; on CPU that is where they belong: beside the engine they take its core).
 
+    A checkpoint may name the stretch of work that follows it (`checkpoint(label)`: worker_ext names each layer's
+    processing). The work then also switches out at a checkpoint whose stretch, as long as the longest seen
+    after that label (its CPU time, kept in `history` across uses), would not end before the slice's deadline:
+    a long stretch (a layer's processing, 0.1-3 ms) starts a slice of its own instead of running on after a
+    slice of short ones. A label seen for the first time is not predicted.
+
     `swap_state=(get, set)`: thread-local state the work and the granting thread each keep for themselves
     (worker_ext: torch's grad mode), saved and restored at every switch.
     Use from one thread: `start` and every `grant` (the engine's thread); `checkpoint` inside the work."""
 
-    def __init__(self, swap_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None) -> None:
+    def __init__(self, swap_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+                 history: dict[Hashable, float] | None = None) -> None:
+        self.history: dict[Hashable, float] = {} if history is None else history  # label -> longest CPU s after it
+        self.longest_stretch_s = 0.0  # the longest CPU time between two checkpoints (or a switch in and one)
+        self.longest_stretch_label: Hashable = None  # ... the label of the checkpoint it started at
+        self.lookahead_parks = 0  # switches out before the deadline: the next stretch would not have fit
+        self.checkpoints: dict[Hashable, int] = {}  # checkpoints reached, by kind (a tuple label's first item)
+        self._label: Hashable = None  # the label of the checkpoint the running stretch started at
+        self._since_cpu = 0.0  # when (thread CPU time) the running stretch started
         self.overruns = 0  # SliceGate's interface: an inline slice cannot be given up, it ends at a checkpoint
         self._swap_state = swap_state
         self._work_state: Any = None
@@ -179,12 +193,29 @@ class InlineSlices:
     def is_alive(self) -> bool:
         return self._glet is not None and not self._glet.dead
 
-    def checkpoint(self) -> None:
-        """Inside the work: return to the granting thread if the slice is over (elsewhere: nothing)."""
+    def checkpoint(self, label: Hashable = None) -> None:
+        """Inside the work: return to the granting thread if the slice is over, or if the stretch that follows
+        (named `label`; None: unnamed) would not fit what is left of it (elsewhere: nothing)."""
         import greenlet
 
-        if greenlet.getcurrent() is self._glet and time.perf_counter() >= self._deadline:
+        if greenlet.getcurrent() is not self._glet:
+            return
+        kind = label[0] if isinstance(label, tuple) and label else label
+        self.checkpoints[kind] = self.checkpoints.get(kind, 0) + 1
+        cpu = time.thread_time()
+        stretch = cpu - self._since_cpu
+        if stretch > self.longest_stretch_s:
+            self.longest_stretch_s, self.longest_stretch_label = stretch, self._label
+        if self._label is not None and stretch > self.history.get(self._label, 0.0):
+            self.history[self._label] = stretch
+        self._label = label
+        now = time.perf_counter()
+        if now >= self._deadline:
             self._caller.switch()
+        elif label is not None and now + self.history.get(label, 0.0) > self._deadline:
+            self.lookahead_parks += 1
+            self._caller.switch()
+        self._since_cpu = time.thread_time()
 
     def grant(self, slice_s: float) -> float:
         """Run the work until the first checkpoint after `slice_s` (or its end); returns the seconds it ran (wall;
@@ -204,6 +235,8 @@ class InlineSlices:
             self._swap_state[1](self._work_state)
         cpu = time.thread_time()
         self._deadline = time.perf_counter() + slice_s
+        if not self._glet:  # not started yet: its first stretch starts now (later ones when a checkpoint returns)
+            self._since_cpu = cpu
         try:
             self._glet.switch()
         finally:

@@ -58,6 +58,7 @@ class VllmBackend:
         self.last_max_slice_cpu_s = 0.0  # ... the CPU time of the staging's work in it (steal and waits left out)
         self.last_copy_cpu_s = 0.0  # the CPU time of the apply's copy
         self.last_longest_slice: dict[str, float] = {}  # the longest slice: wall, CPU, waits (worker_ext)
+        self.last_longest_stretch: dict[str, Any] = {}  # inline: the longest stretch between checkpoints (CPU, where)
         self.last_apply: list[dict[str, Any]] = []  # the workers' apply reports
         self.stage_weights = bool(getattr(settings, "stage_weights", False))
         self.stage_slice_ms = float(getattr(settings, "stage_slice_ms", 1.0))
@@ -219,6 +220,8 @@ class VllmBackend:
                 self.last_max_slice_cpu_s = max(float(r["max_slice_cpu_s"]) for r in results)
                 self.last_longest_slice = dict(max(results, key=lambda r: float(r["max_slice_s"]))["longest_slice"])
                 self.last_copy_cpu_s = max(float(r["copy_cpu_seconds"]) for r in results)
+                self.last_longest_stretch = dict(max(results, key=lambda r: float(
+                    r.get("longest_stretch", {}).get("cpu_s", 0.0)))["longest_stretch"])
                 self.last_stage_overruns = max(int(r.get("overruns", 0)) for r in results)
                 self.last_route = "staged"
                 # The apply's reply precedes every output of later engine steps on the output channel, so

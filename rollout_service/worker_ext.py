@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from forkrl.weights.safetensors import _ST_DTYPES, checkpoint_files, iter_safetensors, read_header
-from rollout_service.shadow import ShadowModel  # imported with the worker: no import inside a staging slice
+from rollout_service.shadow import LAYER_STEPS, ShadowModel  # with the worker: no import in a staging slice
 from rollout_service.slices import InlineSlices, SliceGate
 
 # bf16 engines on CPU die with SIGILL inside the attention kernels unless AMX tiles were requested for
@@ -80,8 +80,17 @@ class WeightReloadExtension:
         if files:
             for f in files:
                 check_data_section(f)
-            state["shadow"].stage(self.vllm_config, iter_safetensors(files))  # type: ignore[attr-defined]
+            # in one slice with no end: nothing parks, and each layer step's CPU time is recorded, so the first
+            # push's slices already start a long step in a slice of its own (InlineSlices' lookahead)
+            gate = InlineSlices(swap_state=(torch.is_grad_enabled, torch.set_grad_enabled), history=state["stretches"])
+            errors: list[BaseException] = []
+            gate.start(lambda: state["shadow"].stage(self.vllm_config, iter_safetensors(files),  # type: ignore[attr-defined]
+                                                     gate.checkpoint),
+                       lambda _, error: errors.append(error) if error is not None else None)
+            gate.grant(math.inf)
             state["shadow"].ready = False
+            if errors:
+                raise errors[0]
         return {"bytes": state["shadow"].nbytes(), "trial_s": time.perf_counter() - start if files else 0.0}
 
     def forkrl_stage_safetensors(self, path: str, slice_s: float, native_beside: bool = False,
@@ -91,7 +100,8 @@ class WeightReloadExtension:
         state = _staging(self)
         if state["thread"] is not None and state["thread"].is_alive():
             raise RuntimeError("a staged reload is already in progress")
-        gate: SliceGate | InlineSlices = (InlineSlices(swap_state=(torch.is_grad_enabled, torch.set_grad_enabled))
+        gate: SliceGate | InlineSlices = (InlineSlices(swap_state=(torch.is_grad_enabled, torch.set_grad_enabled),
+                                                       history=state["stretches"])
                                           if inline else SliceGate(native_beside=bool(native_beside)))
         state.update(status="running", error="", tensors=0, seconds=0.0, slices=0, slice_s=float(slice_s),
                      gate=gate, last_end=0.0, max_slice_s=0.0, max_slice_cpu_s=0.0,
@@ -169,7 +179,14 @@ class WeightReloadExtension:
                 "stage_seconds": state["seconds"],
                 "slices": state["slices"], "max_slice_s": state["max_slice_s"],
                 "max_slice_cpu_s": state["max_slice_cpu_s"], "longest_slice": state["longest_slice"],
-                "overruns": state["overruns"]}
+                "overruns": state["overruns"], "lookahead_parks": getattr(state["gate"], "lookahead_parks", 0),
+                # inline: the longest stretch of work between two checkpoints (CPU), and where it started
+                # and how many checkpoints came before one of vLLM's layerwise steps (shadow.py's wrappers)
+                "longest_stretch": ({"cpu_s": state["gate"].longest_stretch_s,
+                                     "at": state["shadow"].describe(state["gate"].longest_stretch_label),
+                                     "layer_step_checkpoints": sum(state["gate"].checkpoints.get(k, 0)
+                                                                   for k in LAYER_STEPS)}
+                                    if isinstance(state["gate"], InlineSlices) else {})}
 
 
 def _sched_now() -> tuple[float, int] | None:
@@ -191,7 +208,8 @@ def _staging(worker: Any) -> dict[str, Any]:
     if not hasattr(worker, "_forkrl_staging"):
         worker._forkrl_staging = {"thread": None, "shadow": None, "status": "idle", "error": "", "tensors": 0,
                                   "seconds": 0.0, "slices": 0, "max_slice_s": 0.0, "max_slice_cpu_s": 0.0,
-                                  "longest_slice": {}, "overruns": 0}
+                                  "longest_slice": {}, "overruns": 0,
+                                  "stretches": {}}  # InlineSlices' history: each layer step's longest CPU time
     return worker._forkrl_staging
 
 

@@ -291,3 +291,49 @@ def test_each_gate_reports_the_cpu_time_of_the_work_in_the_last_slice():
     gate.grant(600.0)  # a slice that cannot expire: the work runs to its end in it
     t.join(60)
     assert burnt and gate.last_cpu_s >= burnt[0] > 0
+
+
+def test_inline_parks_before_a_named_stretch_that_would_not_fit_and_learns_each_stretch():
+    """Lookahead: `history` says the stretch after checkpoint "long" takes longer than any slice, so the work
+    switches out there although its slice (600 s) is far from over, and that stretch starts a slice of its own;
+    a label with no history does not park. What each stretch took is learnt from its CPU time: at least what the
+    work measured for itself inside it (one monotone clock of this thread: no timing assumed)."""
+    history: dict = {"long": 1e9}
+    gate = InlineSlices(history=history)
+    seen: list[str] = []
+    burnt: dict[str, float] = {}
+
+    def work() -> None:
+        seen.append("a")
+        gate.checkpoint("long")  # predicted not to fit: back to the granting thread
+        seen.append("b")
+        burnt["long"] = _burn()
+        gate.checkpoint("short")  # never seen: no prediction, the slice goes on
+        seen.append("c")
+        burnt["short"] = _burn()
+        gate.checkpoint(("step", 7))  # a tuple label is counted by its kind
+        seen.append("d")
+
+    gate.start(work, lambda r, e: None)
+    gate.grant(600.0)
+    assert seen == ["a"] and gate.is_alive() and gate.lookahead_parks == 1
+    gate.grant(600.0)
+    assert seen == ["a", "b", "c", "d"] and not gate.is_alive() and gate.lookahead_parks == 1
+    assert history["long"] == 1e9  # the longest seen is kept
+    assert history["short"] >= burnt["short"] > 0 and ("step", 7) not in history  # the last stretch had no end
+    assert gate.longest_stretch_s >= max(burnt.values())
+    assert gate.longest_stretch_label in ("long", "short")
+    assert gate.checkpoints == {"long": 1, "short": 1, "step": 1}
+
+    # the history is shared (worker_ext keeps one across pushes); a label it has no record of never parks early
+    later = InlineSlices(history=history)
+    order: list[str] = []
+
+    def again() -> None:
+        order.append("x")
+        later.checkpoint("new")
+        order.append("y")
+
+    later.start(again, lambda r, e: None)
+    later.grant(600.0)
+    assert order == ["x", "y"] and later.lookahead_parks == 0

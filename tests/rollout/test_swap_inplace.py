@@ -40,6 +40,7 @@ def service(request: pytest.FixtureRequest, tiny_model_dir: Path,
                                stage_weights=request.param != "paused", **inline,
                                log_path=staging / "rollout.log") as address:
         address.route = request.param.split("-")[0]  # type: ignore[attr-defined]
+        address.inline = request.param == "staged"  # type: ignore[attr-defined]
         yield address
 
 
@@ -125,3 +126,9 @@ def test_a_push_during_generation_keeps_the_samples_and_later_tokens_use_the_new
     assert "staged weight swap failed" not in log_text
     if service.route == "staged":  # the stall it reports: the longest call of the swap into the engine's loop
         assert re.search(r"the engine held at most \d+\.\d ms at a time \(\d+ slices, then the copy\)", log_text)
+        # inline, what bounds a slice: the longest stretch between two checkpoints, and the checkpoints shadow.py
+        # put before vLLM's layerwise steps (they ran in the staging greenlet's context)
+        stretch = re.search(r"its longest stretch of work \d+\.\d ms of CPU \([^;()]+; (\d+) checkpoints before a "
+                            r"layer step\)", log_text)
+        assert (stretch is not None) == service.inline, log_text[-3000:]
+        assert stretch is None or int(stretch.group(1)) > 0
