@@ -29,7 +29,8 @@ for one left out: what the swap itself put between two steps). "staged" is stage
 its own (--stage-inline false), "staged-beside" that with --stage-native-beside true (the GPU default). For an
 inline push whose longest call exceeded one step, the bench splits that slice's wall time into the work's CPU
 time, the engine thread's wait for a core (the kernel's run delay) and the rest (off the CPU otherwise: steal,
-when the thread did not block).
+when the thread did not block). Inline, it also prints per mode the longest stretch of the swap's work between
+two checkpoints (CPU; what one slice cannot end inside of) and the step of the staging it was most often.
 The issue's target: a push stalls generation by at most one engine step, i.e. it adds at most one step to the
 longest gap of its window ("added by the push"). "staged" (inplace with --stage-weights, the default) loads the
 new weights into a shadow model in slices between engine steps while generation goes on and stalls for the copy
@@ -44,7 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,6 +172,7 @@ async def run(args: argparse.Namespace) -> None:
     stolen: dict[int, float] = {}  # ... and the share of CPU time the hypervisor took from this VM meanwhile
     worked: dict[int, float] = {}  # ... and the CPU time of the longest slice's (or the copy's) work
     where: dict[int, dict[str, float]] = {}  # ... and where the longest slice's wall time went (inline staging)
+    stretches: dict[int, dict] = {}  # ... the longest stretch between two checkpoints (inline): CPU s, at which step
     copies: dict[int, tuple[float, float]] = {}  # ... and the final copy's wall and CPU seconds
     inline, beside = backend.stage_inline, backend.stage_native_beside  # "staged": this machine's defaults
     await asyncio.sleep(args.warmup_s)
@@ -182,6 +184,7 @@ async def run(args: argparse.Namespace) -> None:
         backend.stage_native_beside = {"staged": beside, "staged-beside": True}.get(mode, False)
         backend.last_stage_s = backend.last_max_slice_s = backend.last_max_slice_cpu_s = 0.0
         backend.last_stage_slices = backend.last_stage_overruns = 0
+        backend.last_longest_stretch = {}
         t0, ticks0 = time.monotonic(), _cpu_ticks()
         r = await engine.load_weights(str(ckpts[(k + 1) % 2]), engine.version + 1)
         pushes.append((mode, t0, time.monotonic(), r.apply_s, r.drain_s, backend.last_reload_s,
@@ -194,6 +197,7 @@ async def run(args: argparse.Namespace) -> None:
             # the CPU and waits for a core are left out: what the swap itself put between two steps)
             worked[k] = max(backend.last_max_slice_cpu_s, backend.last_copy_cpu_s)
             where[k] = dict(backend.last_longest_slice)
+            stretches[k] = dict(backend.last_longest_stretch)  # inline only (else empty)
             copies[k] = (backend.last_reload_s, backend.last_copy_cpu_s)
             stolen[k] = _steal_share(ticks0, _cpu_ticks())
             print(f"  {mode} push {k}: {backend.last_stage_slices} slices, longest {backend.last_max_slice_s * 1e3:.2f}"
@@ -246,6 +250,12 @@ async def run(args: argparse.Namespace) -> None:
             print(f"{mode}: the CPU time of the swap's work in the longest slice or the copy per push (time the "
                   f"hypervisor took the CPU and waits for one left out) / step: median {statistics.median(cpu):.2f}, "
                   f"max {max(cpu):.2f}, <= 1 step at {sum(x <= 1 for x in cpu)}/{len(cpu)} pushes")
+            longest = [stretches[k] for k, p in enumerate(pushes) if p[0] == mode and stretches.get(k)]
+            if longest:  # inline: what bounds a slice, and which step of the staging it was
+                ats = "; ".join(f"{a} ({n}x)" for a, n in Counter(x["at"] for x in longest).most_common(2))
+                print(f"{mode}: the longest stretch of the swap's work between two checkpoints per push (CPU) / step: "
+                      f"median {statistics.median(x['cpu_s'] for x in longest) / step:.2f}, max "
+                      f"{max(x['cpu_s'] for x in longest) / step:.2f}; most often {ats}")
         for _, t0, t1, _apply_s, drain_s, worker_s, stage_s in mine:
             longest = ", ".join(f"{name} {_longest(gaps, t0, t1) / step:5.2f}" for name, gaps in gap_sets.items())
             before = _longest(gap_sets["engine, in a sample"], t0 - 0.02 - (t1 - t0), t0 - 0.02) / step

@@ -72,9 +72,10 @@ class RolloutSettings(TokenSettings):
     outlast a step. Default (unset): true on a GPU, false on CPU."""
     stage_inline: bool | None = None
     """stage_weights: run the staging on the engine's own thread, switched in between two steps and out at
-    the first checkpoint (a tensor read, a layer prepared) after its slice (a greenlet: no second thread, so no
-    hand-over of the cores between two threads, which on a loaded CPU machine can hold a step for a wait on the
-    scheduler). false: a staging thread of its own, parked at the first function return after its slice
+    the first checkpoint (a tensor read, a layer set up, before each of vLLM's layer steps) after its slice, or
+    at one before a layer step that took longer than what is left of the slice (a greenlet: no second thread,
+    so no hand-over of the cores between two threads, which on a loaded CPU machine can hold a step for a wait on
+    the scheduler). false: a staging thread of its own, parked at the first function return after its slice
     (stage_native_beside applies). Default (unset): true on CPU, false on a GPU."""
     max_num_seqs: int = Field(256, gt=0)
     """Most sequences the engine batches at once (vLLM's max_num_seqs)."""

@@ -19,6 +19,12 @@ one), which is the stall `bench/bench_swap.py` measured in swap mode "inplace".
   tensors (`copy_`, so CUDA-graph references stay valid, as vLLM's own reload does) and re-binds the
   recorded attributes on the served layers. It touches tensors and attributes only: on the tiny model on
   CPU well under a millisecond.
+`stage` runs in slices between engine steps (worker_ext, slices.py) and calls its `checkpoint` where the
+staging may park: between two tensors, between two layers set up, and before each of vLLM's layerwise steps (a
+layer's processing, its copy into the kernel tensors, an attention layer's finalization), which this module
+wraps with a checkpoint named `(step, id(layer))` taken from a ContextVar: only the staging's own greenlet or
+thread calls it, the engine's own loading never does. A layer's processing on CPU (oneDNN re-packing) is the
+longest stretch of work between two checkpoints (0.1-3 ms per layer on the tiny model).
 The price is a second copy of the weights (and of the packed handles) in the worker, kept between pushes.
 Anything unexpected (a tensor whose shape or dtype differs between shadow and served model) raises before
 the first copy, so a failed `apply` leaves the served weights as they were.

@@ -6,7 +6,9 @@ interval) delays an engine step by as much. Two ways to run the staging in slice
 engine's thread (`grant(slice_s)`) between two steps:
 - `InlineSlices` (the CPU default): no second thread. The work is a greenlet on the engine's thread, switched
   in by `grant` and back out at the first `checkpoint()` after the slice is over (between two tensors, two
-  layers). A slice is exactly the work it ran; nothing waits for another thread to be woken or to park.
+  layers, before a layer's processing), or earlier at a checkpoint whose next stretch took longer than what is
+  left of the slice the last time. A slice is exactly the work it ran; nothing waits for another thread to be
+  woken or to park.
 - `SliceGate`: the work runs on a thread of its own and parks itself at the next function return after its
   slice (a profile hook on that thread). A native call that releases the GIL (oneDNN weight packing, a large
   copy) may outlast the slice: by default the slice waits for it; with `native_beside` (a GPU) it goes on

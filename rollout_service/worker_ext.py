@@ -66,8 +66,10 @@ class WeightReloadExtension:
     # not compete) the engine goes on beside it and the staging thread parks when the call returns.
     # With `inline` (the CPU default) there is no staging thread: the staging is a greenlet on this thread
     # (`InlineSlices`), switched in by `forkrl_stage_status` and out at the first checkpoint after its slice (a
-    # tensor read, a layer prepared), so no slice waits for a thread to be woken or to park; it ends after the
-    # stretch of work it is in (on the tiny model on CPU one tensor and its layer's processing: ~3 ms).
+    # tensor read, a layer set up, before each of vLLM's layer steps: shadow.py), so no slice waits for a thread
+    # to be woken or to park; it ends after the stretch of work it is in (on the tiny model on CPU at most one
+    # layer's processing, ~2-3 ms), or before a layer step that took longer than what is left of the slice the
+    # last time (`stretches`: each step's longest CPU time, learnt by the start-up trial and every push).
     def forkrl_prepare_shadow(self, path: str = "") -> dict[str, Any]:
         """Build the shadow model now (at start-up), so the first push's slices do not include it; with `path`
         (the served checkpoint), stage it once (nothing is applied), so a model the staging cannot handle
@@ -144,14 +146,14 @@ class WeightReloadExtension:
         if state["status"] == "running" and time.perf_counter() - state["last_end"] >= state["slice_s"]:
             state["slices"] += 1
             inline = isinstance(state["gate"], InlineSlices)
+            t0 = time.perf_counter()  # the reads of /proc inside the timed call: its run delay lies within it
             sched = _sched_now() if inline else None
-            t0 = time.perf_counter()
             state["gate"].grant(state["slice_s"])
+            after = _sched_now() if sched is not None else None
             state["last_end"] = time.perf_counter()
             wall = state["last_end"] - t0
             if wall > state["max_slice_s"]:  # all the engine waited, and where the time went
                 state["max_slice_s"] = wall
-                after = _sched_now() if sched is not None else None
                 # inline, the work ran on this thread: wall = its CPU time + waits for a core in this VM
                 # (queued) + blocking (a lock, the GIL: `blocked` > 0) + what is left, the hypervisor's steal
                 state["longest_slice"] = {"wall_s": wall, "cpu_s": state["gate"].last_cpu_s} | (
