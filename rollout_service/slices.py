@@ -212,12 +212,12 @@ class InlineSlices:
             self.history[self._label] = stretch
         self._label = label
         now = time.perf_counter()
-        if now >= self._deadline:
+        late = now >= self._deadline
+        if late or (label is not None and now + self.history.get(label, 0.0) > self._deadline):
+            self.lookahead_parks += not late
             self._caller.switch()
-        elif label is not None and now + self.history.get(label, 0.0) > self._deadline:
-            self.lookahead_parks += 1
-            self._caller.switch()
-        self._since_cpu = time.thread_time()
+            cpu = time.thread_time()  # switched back in by a later grant: the next stretch starts now
+        self._since_cpu = cpu
 
     def grant(self, slice_s: float) -> float:
         """Run the work until the first checkpoint after `slice_s` (or its end); returns the seconds it ran (wall;
