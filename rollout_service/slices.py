@@ -142,11 +142,12 @@ class InlineSlices:
     prepared), so the longest slice is bounded by the longest stretch between two of them, native calls
     included (they run in the slice; on CPU that is where they belong: beside the engine they take its core).
 
-    A checkpoint may name the stretch of work that follows it (`checkpoint(label)`: worker_ext names each layer's
-    processing). The work then also switches out at a checkpoint whose stretch, as long as the longest seen
-    after that label (its CPU time, kept in `history` across uses), would not end before the slice's deadline:
-    a long stretch (a layer's processing, 0.1-3 ms) starts a slice of its own instead of running on after a
-    slice of short ones. A label seen for the first time is not predicted.
+    A checkpoint may name the stretch of work that follows it (`checkpoint(label)`: shadow.py names each tensor
+    read and each of vLLM's layer steps after the step and the layer). The work then also switches out at a
+    checkpoint whose stretch, as long as the longest seen after that label (its CPU time, kept in `history`
+    across uses), would not end before the slice's deadline: a long stretch (a layer's processing, 0.1-3 ms on
+    the tiny model) starts a slice of its own instead of running on after a slice of short ones. A label seen for
+    the first time is not predicted.
 
     `swap_state=(get, set)`: thread-local state the work and the granting thread each keep for themselves
     (worker_ext: torch's grad mode), saved and restored at every switch.
