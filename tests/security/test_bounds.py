@@ -110,7 +110,9 @@ def test_step_caps_unit(tmp_path: Path) -> None:
     evals = RunConfig(eval_every=1, eval_prompts=100_000, max_new_tokens=1024)
     with pytest.raises(ValueError, match="--max-eval-tokens"):
         check_bounds(evals, rules)
-    check_bounds(evals.model_copy(update={"eval_every": 0}), rules)  # no evaluation, no cap
+    with pytest.raises(ValueError, match="--max-eval-tokens"):  # eval_every 0: still before and after
+        check_bounds(evals.model_copy(update={"eval_every": 0}), rules)
+    check_bounds(evals.model_copy(update={"eval_prompts": 0}), rules)  # no evaluation, no cap
 
 
 def _start_run(address: str, cfg: RunConfig) -> str:
