@@ -167,7 +167,7 @@ def test_probe_job_caps_422(probe: str, job: dict, name: str, value: int) -> Non
     detail = r.json()["detail"]
     assert f"= {value:,} exceeds" in detail and f"{getattr(ProbeSettings(), name):,}" in detail, detail
     assert f"--{name.replace('_', '-')} (PROBE_{name.upper()})" in detail and r.json()["limit"] == name
-    assert httpx.get(f"{probe}/probe", headers=http_headers()).json() == {"jobs": []}  # nothing queued
+    assert httpx.get(f"{probe}/probe", headers=http_headers(), timeout=60).json() == {"jobs": []}  # none queued
 
 
 def test_grpc_limits_are_settings() -> None:
