@@ -78,9 +78,9 @@ def preflight(cfg: RunConfig, rules: RunRules | None = None) -> RunConfig:
     cfg = check_values(cfg)
     if not (Path(cfg.model) / "config.json").is_file():
         raise ValueError(f"model: {cfg.model!r} is not an HF checkpoint directory (no config.json)")
-    check_context(cfg)
     if cfg.dataset and not Path(cfg.dataset).is_file():
         raise ValueError(f"dataset: no such file {cfg.dataset!r}")
+    check_context(cfg)
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
         has_ckpt = latest_checkpoint(run_dir) is not None
