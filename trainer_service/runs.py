@@ -86,8 +86,8 @@ def describe_failure(exc: BaseException, rollout_addresses: list[str]) -> str:
             text = said
         elif str(rpc) in outer:  # a wrapper that put the call's repr in its message: its words, with ours
             text = outer.replace(str(rpc), said)
-        else:
-            text = f"{outer}: {said}"
+        else:  # an error of its own, raised on the way out of the gRPC error
+            text = f"{type(exc).__name__}: {outer} (after: {said})"
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + " [cut]"
 
 
@@ -96,7 +96,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
     e: BaseException | None = exc
     while e is not None and e not in out:
         out.append(e)
-        e = e.__cause__ or e.__context__
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
     return out
 
 

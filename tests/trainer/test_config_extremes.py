@@ -95,13 +95,14 @@ def _run_one_step(stub: Any, run_id: str) -> tuple[trainer_pb2.GetRunResponse, i
     return stub.GetRun(trainer_pb2.GetRunRequest(run_id=run_id), timeout=30), steps
 
 
+@pytest.mark.timeout(1800)  # liveness: each run has its own hang bound (HANG_S); the walk is ~30 short runs
 def test_every_field_at_its_extremes_is_refused_by_name_or_runs(walk_trainer: str, rollout_address: str,
                                                                 tiny_model_dir: Path) -> None:
     base = RunConfig(model=str(tiny_model_dir), rollout_addresses=[rollout_address], num_steps=1,
                      prompts_per_step=2, group_size=2, micro_batch_size=4, eval_prompts=0, seed=0)
     problems: list[str] = []
     ran: dict[str, str] = {}  # config (JSON) -> the case that ran it
-    walked, accepted = set(), []
+    walked, accepted, refused, same = set(), [], [], 0
     with trainer_stub(walk_trainer) as stub:
         for name in RunConfig.model_fields:
             case_base = base.model_copy(update={"eval_prompts": 4}) if name in EVAL_FIELDS else base
@@ -114,6 +115,7 @@ def test_every_field_at_its_extremes_is_refused_by_name_or_runs(walk_trainer: st
                 except ValueError:
                     key = None  # the model refuses it: StartRun must too
                 if key is not None and key in ran:
+                    same += 1
                     continue  # the same run as `ran[key]`
                 try:
                     started = stub.StartRun(trainer_pb2.StartRunRequest(config=msg), timeout=120)
@@ -122,6 +124,7 @@ def test_every_field_at_its_extremes_is_refused_by_name_or_runs(walk_trainer: st
                     codes = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
                     if err.code() not in codes or name not in details or len(details) > 2100:
                         problems.append(f"{case}: refused with {err.code().name} {details[:300]!r}")
+                    refused.append(case)
                     continue
                 if key is not None:
                     ran[key] = case
@@ -138,6 +141,8 @@ def test_every_field_at_its_extremes_is_refused_by_name_or_runs(walk_trainer: st
             stub.StartRun(trainer_pb2.StartRunRequest(config=_message(base, "ppo_epochs", 2**31 - 1)), timeout=120)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details() == "ppo_epochs: Input should be less than or equal to 64, got 2147483647"
+    print(f"walked {len(walked)} fields: {len(refused)} values refused, {len(accepted)} run, {same} the same "
+          f"config as one run before; run: {', '.join(accepted)}")
     assert walked == set(RunConfig.model_fields)
     assert not problems, "\n".join(problems)
     # the values that must run did (a refusal of any of them is a regression of the documented ranges)

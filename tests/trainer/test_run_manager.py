@@ -94,6 +94,10 @@ def test_a_run_failing_on_a_grpc_error_reports_a_sentence(refused_generate, tmp_
         assert describe_failure(wrapped, [address]) == f"sampling the batch of step 3 failed: {said}"
     assert describe_failure(rpc, [address, "127.0.0.1:2"]).startswith(
         f"a rollout service (one of {address}, 127.0.0.1:2) answered INVALID_ARGUMENT: ")
+    try:  # an error of its own, raised from the gRPC error
+        raise KeyError("x") from rpc
+    except KeyError as own:
+        assert describe_failure(own, [address]) == f"KeyError: 'x' (after: {said})"
     assert describe_failure(ValueError("bad"), [address]) == "ValueError: bad"
     assert describe_failure(ValueError("v" * 5000), [address]).endswith(" [cut]")
 
