@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from forkrl.cli import describe_validation_error
 from forkrl.security import add_server_port, grpc_server_options, refuse_open_bind, server_interceptors
-from forkrl.training.config import RunConfig, from_proto, to_proto
+from forkrl.training.config import RunConfig, from_proto, shown, to_proto
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_service.config import TrainerSettings
 from trainer_service.runs import Run, RunConflict, RunManager, UnknownRun
@@ -102,6 +102,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             await _abort(context, grpc.StatusCode.PERMISSION_DENIED, str(err))
         except FileNotFoundError as err:
             await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except OSError as err:  # a path the file system cannot check (too long once symlinks are followed, I/O)
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"a path of the run could not be checked: {err.strerror or err} ({shown(err.filename)})")
         try:
             run = self.manager.start(config)
         except RunConflict as err:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from forkrl.rl.options import LossName, MaskNorm, MaskScope, check_top_frac
 
@@ -36,7 +36,8 @@ MAX_CLIP = 10.0  # clip_high
 MAX_COEF = 10.0  # kl_beta, weight_decay
 MAX_GRAD_NORM = 1e9  # max_grad_norm
 MAX_WEIGHT = 1000.0  # dual_clip_c, cispo_max_weight, tis_cap
-MAX_PATH_CHARS = 4096  # model, dataset, run_dir (Linux PATH_MAX)
+MAX_PATH_CHARS = 4096  # model, dataset, run_dir: characters, and bytes of UTF-8 (Linux PATH_MAX)
+MAX_NAME_BYTES = 255  # one component of such a path (NAME_MAX): longer ones fail every file system call
 MAX_NAME_CHARS = 256  # task, reward
 MAX_ADDRESSES = 64  # rollout_addresses
 MAX_ADDRESS_CHARS = 300  # one host:port (a DNS name is at most 253 characters)
@@ -63,12 +64,12 @@ class RunConfig(BaseModel):
 
     model: str = Field("", max_length=MAX_PATH_CHARS)
     """Local HF checkpoint dir of the initial policy (the model the rollout service serves); empty = the embedded
-    tiny model (FORKRL_MODEL_DIR or the committed forkrl/models/default). At most 4096 characters."""
+    tiny model (FORKRL_MODEL_DIR or the committed forkrl/models/default). At most 4096 bytes, 255 per name in it."""
     task: str = Field("", max_length=MAX_NAME_CHARS)
     """Built-in task (used when no dataset is given); empty = default. At most 256 characters."""
     dataset: str = Field("", max_length=MAX_PATH_CHARS)
     """JSONL dataset of prompts and answers; overrides --task. The client defaults it to $RL_DATASET_PATH. At most
-    4096 characters."""
+    4096 bytes, 255 per name in it."""
     reward: str = Field("", max_length=MAX_NAME_CHARS)
     """Reward function: exact_match, countdown, math_verify or module:function; empty = the task's default
     (exact_match for sum3/add2, countdown for countdown, math_verify for a dataset). At most 256 characters."""
@@ -111,7 +112,7 @@ class RunConfig(BaseModel):
     save_every: int = Field(0, ge=0, le=MAX_STEPS)
     """Checkpoint every N steps (0 = only the final one), at most 10,000,000."""
     run_dir: str = Field("", max_length=MAX_PATH_CHARS)
-    """Run directory; empty = <runs root>/<run id>. At most 4096 characters."""
+    """Run directory; empty = <runs root>/<run id>. At most 4096 bytes, 255 per name in it."""
     resume: bool = False
     """Continue from the latest checkpoint in --run-dir. The resumed run keeps the run id of the run it continues
     (kept in <run-dir>/run_id): GetRun, WatchRun, checkpoints and the rollout lease all use that one id."""
@@ -161,6 +162,16 @@ class RunConfig(BaseModel):
     @classmethod
     def _check_frac(cls, v: float | None) -> float | None:
         check_top_frac(v)
+        return v
+
+    @field_validator("model", "dataset", "run_dir")
+    @classmethod
+    def _check_path(cls, v: str, info: ValidationInfo) -> str:
+        longest = max(len(part.encode()) for part in v.split("/"))
+        if len(v.encode()) > MAX_PATH_CHARS or longest > MAX_NAME_BYTES:
+            raise ValueError(f"{info.field_name} must have at most {MAX_PATH_CHARS} bytes (UTF-8), at most "
+                             f"{MAX_NAME_BYTES} per name in it, got {len(v.encode()):,} bytes, the longest name "
+                             f"{longest:,}")
         return v
 
     @field_validator("rollout_addresses")

@@ -1,7 +1,8 @@
 """Every RunConfig field at its extremes through the real trainer service and the real rollout service (vLLM, the
 embedded tiny model): 0, -1, the least and greatest int32 / int64, nan and +-inf for floats, a 100,000-character
-string, an unknown enum number, an empty list, too many addresses, plus the engine's temperature limits and the
-documented maxima of the settings that multiply a step's work. The field list is RunConfig.model_fields, so a new
+string and a path with a 400-byte name (the file system's limit is 255), an unknown enum number, an empty list,
+too many addresses, plus the engine's temperature limits and the documented maxima of the settings that multiply
+a step's work. The field list is RunConfig.model_fields, so a new
 field is walked too.
 
 Each value is either refused at StartRun with INVALID_ARGUMENT naming the field (PERMISSION_DENIED for an address
@@ -38,7 +39,7 @@ DOUBLE = (0.0, -1.0, float(2**31 - 1), float(2**63 - 1), math.nan, math.inf, -ma
 LONG = "x" * 100_000
 EXTREMES: dict[int, tuple[Any, ...]] = {
     FieldDescriptor.TYPE_INT32: INT32, FieldDescriptor.TYPE_INT64: INT64, FieldDescriptor.TYPE_DOUBLE: DOUBLE,
-    FieldDescriptor.TYPE_STRING: ("", LONG), FieldDescriptor.TYPE_BOOL: (False, True),
+    FieldDescriptor.TYPE_STRING: ("", LONG, "/tmp/" + "é" * 200), FieldDescriptor.TYPE_BOOL: (False, True),
     FieldDescriptor.TYPE_ENUM: (0, 99, -1),
 }
 # Besides the type's extremes: the engine's temperature range, and the documented maxima of what multiplies a step

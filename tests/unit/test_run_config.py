@@ -184,10 +184,16 @@ def test_temperature_is_the_engines_range() -> None:
 
 def test_strings_and_lists_are_bounded_and_never_echoed_whole() -> None:
     for name, limit in (("model", 4096), ("dataset", 4096), ("run_dir", 4096), ("task", 256), ("reward", 256)):
-        assert RunConfig(**{name: "x" * limit}) is not None
+        long = "/" + "/".join(["x" * 255] * 16) if limit == 4096 else "x" * limit
+        assert len(long) == limit and RunConfig(**{name: long}) is not None
         msg = _msg(**{name: "y" * 100_000})
         assert msg.startswith(f"{name}: String should have at most {limit} characters") and len(msg) < 300, msg
         assert "100,002 characters" in msg  # the repr's length, said instead of the value
+    for name in ("model", "dataset", "run_dir"):  # bytes, not characters: what the file system counts
+        assert _msg(**{name: "/d/" + "é" * 128}) == (f"{name} must have at most 4096 bytes (UTF-8), at most 255 per "
+                                                     "name in it, got 259 bytes, the longest name 256")
+        assert "got 4,222 bytes" in _msg(**{name: "/".join(["é" * 100] * 21) + "/x"})
+        assert RunConfig(**{name: "/d/" + "é" * 127}) is not None
     msg = _msg(rollout_addresses=["h" * 100_000 + ":1"])
     assert "at most 300 characters" in msg and len(msg) < 300, msg
     assert "at most 64 items" in _msg(rollout_addresses=[f"127.0.0.1:{p}" for p in range(65)])
