@@ -88,6 +88,13 @@ def test_unknown_run_ids_are_not_found_and_resume_needs_a_checkpoint(
             assert (code, msg) == (grpc.StatusCode.INVALID_ARGUMENT, "run_id has at most 64 characters, got 100,000")
 
         base = dict(model=str(tiny_model_dir), rollout_addresses=[rollout_address], num_steps=1, **SMALL)
+        # a valid path of 4,000 bytes, echoed by the refusal: cut to 2 KiB, or the status would not fit gRPC's header
+        # limit once percent-encoded (RESOURCE_EXHAUSTED instead of the code meant)
+        deep = str(tmp_path / "/".join(["é" * 100] * 19))
+        far = RunConfig(**{**base, "model": deep})
+        code, msg = _code(lambda: stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(far)), timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("model: ") and msg.endswith(" [cut]")
+        assert len(msg.encode()) <= 2048, len(msg.encode())
         empty = tmp_path / "empty"
         resume = RunConfig(run_dir=str(empty), resume=True, **base)
         code, msg = _code(lambda: stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(resume)), timeout=30))
