@@ -35,6 +35,7 @@ from forkrl.security import (
     read_tls_file,
     resolve_token,
 )
+from forkrl.training.config import shown
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -58,6 +59,7 @@ def validation_problems(err: ValidationError, *, flags: bool = False, env_prefix
 
     'entropy_top_frac must be in (0, 1], got 1.5' (our validators already name both);
     'num_steps: Input should be greater than or equal to 1, got 0' (pydantic's own checks).
+    A long value is cut (forkrl.training.config.shown): the lines go into gRPC status details and terminals.
     """
     for e in err.errors():
         msg = e["msg"].removeprefix("Value error, ")
@@ -71,7 +73,7 @@ def validation_problems(err: ValidationError, *, flags: bool = False, env_prefix
         if e["type"] == "missing":
             msg = "required, not given"
         elif "got" not in msg:
-            msg = f"{msg}, got {e.get('input')!r}"
+            msg = f"{msg}, got {shown(e.get('input'))}"
         elif not flags:  # our own validators name the field and the value already
             yield msg
             continue

@@ -17,9 +17,11 @@ GET    /metrics                    Prometheus text
 GET    /healthz                    open; every other route needs `authorization: Bearer <token>` when the
                                    service has a token (401 otherwise; forkrl/security.py)
 
-Every route but /healthz answers only to a Host it knows (400 otherwise: allowed_hosts); POST bodies must be
-`application/json` (415) of at most max_body_bytes (413). The OpenAPI schema lists each route's statuses and
-content types (tests/faults/test_fuzz_http.py checks them against what the routes answer).
+Every route but /healthz answers only to a Host it knows (400 otherwise: allowed_hosts); a method a path does
+not serve is 405 with `Allow` naming those it does; POST bodies must be `application/json` (415) of at most
+max_body_bytes (413). Every error body is JSON with a `detail` (schemas.Problem). The OpenAPI schema lists each
+route's statuses, content types and error bodies (tests/faults/test_fuzz_http.py checks them against what the
+routes answer).
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, 
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import Match, Route, Router
 
 from forkrl.probe.params import CAVEAT, ProbeParams
 from forkrl.security import check_authorization
 from probe_service.admission import RequestError, admit
 from probe_service.config import ProbeSettings
 from probe_service.jobs import Job, JobFinished, JobManager, JobNotFound, QueueFull
-from probe_service.schemas import JobCreated, JobList, JobStatus
+from probe_service.schemas import JobCreated, JobList, JobStatus, Problem, ValidationProblem
 
 # Only declares the scheme in the OpenAPI schema (auto_error=False: checks nothing); RequireToken checks.
 _BEARER = HTTPBearer(auto_error=False, description="The services' token (FORKRL_TOKEN): 'Bearer <token>'.")
@@ -84,7 +87,27 @@ _STATUS = {
 
 
 def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    return {c: {"description": _STATUS[c]} for c in codes}
+    """The OpenAPI entries of these error statuses: what each means and its JSON body."""
+    return {c: {"description": _STATUS[c], "model": ValidationProblem if c == 422 else Problem} for c in codes}
+
+
+def _declare_json_errors(app: FastAPI) -> None:
+    """Every error answer is JSON, but FastAPI files an error response's model under the route's own media type
+    (text/plain for /metrics, image/png for the plots): the schema is built as FastAPI builds it, then each error
+    body is moved under application/json (FastAPI's documented way to change the schema: replace app.openapi)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            for operations in build()["paths"].values():  # build() caches the schema it returns: fixed in place
+                for operation in operations.values():
+                    for code, response in operation.get("responses", {}).items():
+                        content = response.get("content", {})
+                        if code[0] in "45" and content and "application/json" not in content:
+                            response["content"] = {"application/json": next(iter(content.values()))}
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _reply(status: int, detail: str) -> JSONResponse:
@@ -92,15 +115,32 @@ def _reply(status: int, detail: str) -> JSONResponse:
 
 
 class RequestGuard:
-    """Before any route sees a request (every path but /healthz):
+    """Before any route sees a request:
     - the Host header must name this service (settings.host_names: localhost, 127.0.0.1, ::1, the bound host,
-      allowed_hosts), else 400: a page that rebinds its own DNS name to this machine gets nothing;
-    - a POST body must be `application/json`, else 415: a browser sends a cross-site form (urlencoded,
+      allowed_hosts), else 400: a page that rebinds its own DNS name to this machine gets nothing (every path
+      but /healthz);
+    - the method must be one the path serves, else 405 with `Allow` listing every method the path serves (the
+      router alone would name those of the first route of the path, and the body checks below would answer
+      first);
+    - a served POST's body must be `application/json`, else 415: a browser sends a cross-site form (urlencoded,
       multipart, text/plain) without asking first, JSON never;
-    - a body may be at most settings.max_body_bytes, else 413 (by Content-Length, and while it is read)."""
+    - a body may be at most settings.max_body_bytes, else 413 (by Content-Length, and while it is read).
+    A path no route serves goes on to the router (404)."""
 
-    def __init__(self, app: Any, settings: ProbeSettings) -> None:
-        self.app, self.settings, self.hosts = app, settings, settings.host_names()
+    def __init__(self, app: Any, settings: ProbeSettings, router: Router) -> None:
+        self.app, self.settings, self.hosts, self.router = app, settings, settings.host_names(), router
+
+    def _served(self, scope: dict) -> tuple[bool, set[str]]:
+        """(whether a route serves this path and method, every method the routes of this path serve)."""
+        served, methods = False, set()
+        for route in self.router.routes:
+            if not isinstance(route, Route) or not route.methods:
+                continue
+            match, _ = route.matches(scope)
+            served |= match == Match.FULL
+            if match != Match.NONE:
+                methods |= route.methods
+        return served, methods
 
     def _host_ok(self, host: str) -> bool:
         if self.hosts is None:
@@ -112,17 +152,24 @@ class RequestGuard:
         return name in self.hosts
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] == "/healthz":
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
         host = headers.get(b"host", b"").decode("latin-1")
-        if not self._host_ok(host):
-            reply = _reply(400, f"Host {host!r} is not one this service answers to; the operator can add it to "
-                                "the probe's allowed_hosts (--allowed-hosts, PROBE_ALLOWED_HOSTS)")
+        if scope["path"] != "/healthz" and not self._host_ok(host):
+            reply = _reply(400, f"Host {host[:100]!r} is not one this service answers to; the operator can add it "
+                                "to the probe's allowed_hosts (--allowed-hosts, PROBE_ALLOWED_HOSTS)")
             await reply(scope, receive, send)
             return
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
+        served, methods = self._served(scope)
+        if methods and not served:
+            allow = ", ".join(sorted(methods))
+            reply = JSONResponse({"detail": f"method {scope['method'][:20]} is not served here; this path serves "
+                                            f"{allow}"}, 405, headers={"Allow": allow})
+            await reply(scope, receive, send)
+            return
+        if not served or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
         ctype = headers.get(b"content-type", b"").decode("latin-1").partition(";")[0].strip().lower()
@@ -184,7 +231,7 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings, app.state.manager = settings, manager
-    app.add_middleware(RequestGuard, settings=settings)
+    app.add_middleware(RequestGuard, settings=settings, router=app.router)
     token = settings.auth_token()
     if token:  # added last: the outermost layer, it answers before any other reads the request
         app.add_middleware(RequireToken, token=token)
@@ -325,4 +372,5 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
         return Response(generate_latest(manager.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(api)
+    _declare_json_errors(app)
     return app

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from forkrl.cli import describe_validation_error
 from forkrl.security import add_server_port, grpc_server_options, refuse_open_bind, server_interceptors
-from forkrl.training.config import RunConfig, from_proto, to_proto
+from forkrl.training.config import RunConfig, from_proto, shown, to_proto
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer_service.config import TrainerSettings
 from trainer_service.runs import Run, RunConflict, RunManager, UnknownRun
@@ -27,6 +27,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trainer_service")
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+# Status details travel in a header (percent-encoded: up to 3 bytes per byte), and headers past gRPC's metadata
+# limit (8 KiB by default) fail the call with RESOURCE_EXHAUSTED instead of the code meant: cut them to this.
+MAX_DETAILS_BYTES = 2048
+
+
+def _said(message: str) -> str:
+    """`message` cut to MAX_DETAILS_BYTES of UTF-8 (whole characters), marked when cut."""
+    raw = message.encode()
+    if len(raw) <= MAX_DETAILS_BYTES:
+        return message
+    return raw[:MAX_DETAILS_BYTES - 6].decode(errors="ignore") + " [cut]"
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    await context.abort(code, _said(message))
 
 
 def _metrics_pb(step: int, values: dict[str, float]) -> trainer_pb2.StepMetrics:
@@ -63,44 +78,49 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             run_dir=str(run.run_dir), last_metrics=_metrics_pb(run.step, run.last_metrics),
         )
 
+    async def _find(self, run_id: str, context, find: Callable[[str], Run] | None = None) -> Run:
+        """find(run_id) (default manager.get; "" = the latest run): NOT_FOUND, or INVALID_ARGUMENT for an id longer
+        than any run's (its length said, the id never echoed)."""
+        try:
+            return (find or self.manager.get)(run_id)
+        except UnknownRun as err:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(err))
+        except ValueError as err:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        raise AssertionError("unreachable")  # abort raises
+
     async def StartRun(self, request, context):
         try:
             config = from_proto(request.config)
         except ValidationError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(err))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, describe_validation_error(err))
         try:
             config = await asyncio.to_thread(self.preflight, config)  # the only resolve: the loop gets it as is
         except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except PermissionError as err:  # outside the trainer's roots, an unknown rollout, a custom reward
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, str(err))
         except FileNotFoundError as err:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except OSError as err:  # a path the file system cannot check (too long once symlinks are followed, I/O)
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"a path of the run could not be checked: {err.strerror or err} ({shown(err.filename)})")
         try:
             run = self.manager.start(config)
         except RunConflict as err:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(err))
         return trainer_pb2.StartRunResponse(run_id=run.run_id, run_dir=str(run.run_dir), start_step=run.start_step)
 
     async def GetRun(self, request, context):
-        try:
-            run = self.manager.get(request.run_id)
-        except UnknownRun as err:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
+        run = await self._find(request.run_id, context)
         return self._run_pb(run)
 
     async def StopRun(self, request, context):
-        try:
-            run = self.manager.stop(request.run_id)
-        except UnknownRun as err:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
+        run = await self._find(request.run_id, context, self.manager.stop)
         return trainer_pb2.StopRunResponse(state=trainer_pb2.RunState.Value("RUN_STATE_" + run.state))
 
     async def WatchRun(self, request, context):
-        try:
-            run = self.manager.get(request.run_id)
-        except UnknownRun as err:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
+        run = await self._find(request.run_id, context)
         index = 0
         while True:
             items, done = await asyncio.to_thread(run.wait_history, index, 1.0)

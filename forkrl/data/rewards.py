@@ -46,6 +46,7 @@ from forkrl.data.countdown import countdown_reward
 from forkrl.data.tasks import Problem, extract_answer
 
 DEFAULT_TIMEOUT_S = 15.0  # math-verify's own alarms are 5 s for parsing and 5 s for verifying
+WARM_UP_TIMEOUT_S = 120  # math-verify's alarms while a new worker warms up (before any item's clock starts)
 
 
 @dataclass
@@ -143,12 +144,24 @@ def _grade_math(gold: str, completion: str) -> tuple[float | None, str]:
     return (1.0 if verify(gold_parsed, pred) else 0.0), "graded"
 
 
-def _warm_worker() -> None:
-    import math_verify  # noqa: F401  (import once per worker, not on the first item)
+def _warm_worker(grade_module: str, warm_math_verify: bool) -> None:
+    """Everything a worker does once, before any item's clock starts: import the grade function's module and,
+    for math-verify, grade one item, so its lazy set-up (sympy, the LaTeX parser, the extraction regexes) is not
+    charged to the first real item, whose 5 s alarms a freshly spawned worker on a busy machine could miss. The
+    warm-up's own alarms are far longer: it may take its time, it must not hang."""
+    importlib.import_module(grade_module)
+    if not warm_math_verify:
+        return
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    config = LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)
+    verify(parse("$\\frac{1}{2}$", parsing_timeout=WARM_UP_TIMEOUT_S),
+           parse("\\boxed{0.5}", extraction_config=[config], parsing_timeout=WARM_UP_TIMEOUT_S),
+           timeout_seconds=WARM_UP_TIMEOUT_S)
 
 
 def _ready(delay_s: float) -> int:
-    time.sleep(delay_s)  # long enough that each worker takes one of these
+    time.sleep(delay_s)
     return os.getpid()
 
 
@@ -173,17 +186,29 @@ class MathVerifyGrader:
         if self._pool is None:
             # spawn, not fork: the parent holds torch/vLLM threads, which do not survive a fork
             self._pool = cf.ProcessPoolExecutor(
-                self.max_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm_worker
+                self.max_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm_worker,
+                initargs=(self.grade_fn.__module__, self.grade_fn is _grade_math),
             )
             self.pools_started += 1
-            # wait until the workers are up, so process start-up (seconds on a busy machine) is not
-            # charged to the first items' timeouts
-            ready = [self._pool.submit(_ready, 0.05) for _ in range(self.max_workers)]
-            _, not_done = cf.wait(ready, timeout=self.startup_timeout_s)
+            self._wait_for_workers(self._pool)
+        return self._pool
+
+    def _wait_for_workers(self, pool: cf.ProcessPoolExecutor) -> None:
+        """Return once every worker has started and warmed up (each answered a `_ready`), so process start-up
+        (seconds on a busy machine) is never charged to an item's timeout. A worker that is up answers the
+        `_ready`s while the others still start, so they are sent in rounds until every worker has answered."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        pids: set[int] = set()
+        while len(pids) < self.max_workers:
+            ready = [pool.submit(_ready, 0.05) for _ in range(self.max_workers)]
+            done, not_done = cf.wait(ready, timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                pids |= {f.result() for f in done}
+            except cf.process.BrokenProcessPool:
+                not_done = not_done or done
             if not_done:
                 self._recycle()
                 raise RuntimeError(f"math-verify worker pool did not start within {self.startup_timeout_s} s")
-        return self._pool
 
     def _recycle(self) -> None:
         pool, self._pool = self._pool, None

@@ -13,12 +13,41 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from forkrl.rl.options import LossName, MaskNorm, MaskScope, check_top_frac
 
 if TYPE_CHECKING:
     from forkrl.rl.losses import LossConfig
+
+# Ranges of the fields (each said in its docstring). Bounds no real run needs to exceed; every int fits the proto's
+# int32 (int64 for seed), so the client's to_proto can never overflow.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_STEPS = 10**7  # num_steps, save_every, eval_every, warmup_steps
+MAX_BATCH = 2**20  # prompts_per_step, micro_batch_size, mini_batch_prompts, eval_prompts
+MAX_GROUP = 1024  # group_size
+MAX_TOKENS = 2**20  # max_new_tokens, overlong_cache_len
+MAX_EPOCHS = 64  # ppo_epochs
+MAX_STALENESS = 64  # max_staleness
+MAX_GEN_BATCHES = 1024  # max_gen_batches
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 2.0  # vLLM's range (rollout_service/engine.py: validate_sampling)
+MAX_CLIP = 10.0  # clip_high
+MAX_COEF = 10.0  # kl_beta, weight_decay
+MAX_GRAD_NORM = 1e9  # max_grad_norm
+MAX_WEIGHT = 1000.0  # dual_clip_c, cispo_max_weight, tis_cap
+MAX_PATH_CHARS = 4096  # model, dataset, run_dir: characters, and bytes of UTF-8 (Linux PATH_MAX)
+MAX_NAME_BYTES = 255  # one component of such a path (NAME_MAX): longer ones fail every file system call
+MAX_NAME_CHARS = 256  # task, reward
+MAX_ADDRESSES = 64  # rollout_addresses
+MAX_ADDRESS_CHARS = 300  # one host:port (a DNS name is at most 253 characters)
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: messages echo what was sent, never unbounded input."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
 
 WeightSync = Literal["auto", "stream", "path", "shm"]
 """How the trainer pushes weights (forkrl/training/rollouts.py): streamed over gRPC (UpdateWeights), through
@@ -26,20 +55,24 @@ the run dir or a shared-memory file (LoadWeights), or auto (shm to services on t
 
 
 class RunConfig(BaseModel):
-    """A whole RL run. Unset optional fields take the loss's documented defaults."""
+    """A whole RL run. Unset optional fields take the loss's documented defaults. Every field has a range (said in
+    its docstring, checked here, so by the client and again by the service): ints fit the proto's int32/int64,
+    floats are finite, strings and lists are bounded."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
-    model: str = ""
+    model: str = Field("", max_length=MAX_PATH_CHARS)
     """Local HF checkpoint dir of the initial policy (the model the rollout service serves); empty = the embedded
-    tiny model (FORKRL_MODEL_DIR or the committed forkrl/models/default)."""
-    task: str = ""
-    """Built-in task (used when no dataset is given); empty = default."""
-    dataset: str = ""
-    """JSONL dataset of prompts and answers; overrides --task. The client defaults it to $RL_DATASET_PATH."""
-    reward: str = ""
+    tiny model (FORKRL_MODEL_DIR or the committed forkrl/models/default). At most 4096 bytes, 255 per name in it."""
+    task: str = Field("", max_length=MAX_NAME_CHARS)
+    """Built-in task (used when no dataset is given); empty = default. At most 256 characters."""
+    dataset: str = Field("", max_length=MAX_PATH_CHARS)
+    """JSONL dataset of prompts and answers; overrides --task. The client defaults it to $RL_DATASET_PATH. At most
+    4096 bytes, 255 per name in it."""
+    reward: str = Field("", max_length=MAX_NAME_CHARS)
     """Reward function: exact_match, countdown, math_verify or module:function; empty = the task's default
-    (exact_match for sum3/add2, countdown for countdown, math_verify for a dataset)."""
+    (exact_match for sum3/add2, countdown for countdown, math_verify for a dataset). At most 256 characters."""
     loss: LossName = "grpo"
     """Policy loss (advantage, per-token term, aggregation and default clip of each: forkrl/rl/losses.py)."""
     entropy_top_frac: float | None = None
@@ -49,83 +82,96 @@ class RunConfig(BaseModel):
     """Where the top-k is taken: per micro-batch (paper) or per optimizer step."""
     mask_norm: MaskNorm = "kept"
     """Token normalizer under the mask: kept tokens (paper v2) or all tokens (TRL)."""
-    num_steps: int = Field(100, ge=1)
-    """Optimizer steps (one rollout batch each)."""
-    prompts_per_step: int = Field(32, ge=1)
-    """Prompts drawn per step."""
-    group_size: int = Field(8, ge=1)
-    """Samples per prompt (G)."""
-    max_new_tokens: int = Field(0, ge=0)
-    """Max generated tokens; 0 = the task's default."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature (also used for logp and entropy)."""
+    num_steps: int = Field(100, ge=1, le=MAX_STEPS)
+    """Optimizer steps (one rollout batch each), 1 to 10,000,000."""
+    prompts_per_step: int = Field(32, ge=1, le=MAX_BATCH)
+    """Prompts drawn per step, 1 to 1,048,576 (and the trainer's max_step_samples caps prompts x group_size)."""
+    group_size: int = Field(8, ge=1, le=MAX_GROUP)
+    """Samples per prompt (G), 1 to 1024."""
+    max_new_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
+    """Max generated tokens, up to 1,048,576 (and the model's context); 0 = the task's default."""
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE)
+    """Sampling temperature (also used for logp and entropy), 0.01 to 2 (vLLM's range)."""
     lr: float = Field(3e-4, gt=0)
-    """AdamW learning rate (3e-4 suits the tiny model; ~1e-6 for LLMs)."""
-    clip_low: float | None = Field(None, ge=0)
-    """PPO clip epsilon low; unset = the loss's default."""
-    clip_high: float | None = Field(None, ge=0)
-    """PPO clip epsilon high; unset = the loss's default."""
-    micro_batch_size: int = Field(64, ge=1)
-    """Sequences per micro-batch (gradient accumulation)."""
-    mini_batch_prompts: int = Field(0, ge=0)
+    """AdamW learning rate, any finite value > 0 (3e-4 suits the tiny model; ~1e-6 for LLMs)."""
+    clip_low: float | None = Field(None, ge=0, lt=1)
+    """PPO clip epsilon low, in [0, 1) (the ratio floor is 1 - clip_low); unset = the loss's default."""
+    clip_high: float | None = Field(None, ge=0, le=MAX_CLIP)
+    """PPO clip epsilon high, 0 to 10; unset = the loss's default."""
+    micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH)
+    """Sequences per micro-batch (gradient accumulation), 1 to 1,048,576."""
+    mini_batch_prompts: int = Field(0, ge=0, le=MAX_BATCH)
     """Prompts (whole groups) per optimizer update: the rollout batch is split into mini-batches of this many
     prompts, one AdamW step each, with pi_old = the weights before the first update (DAPO and the 80/20
-    paper: 32 of 512); 0 = all prompts, one update per step."""
-    ppo_epochs: int = Field(1, ge=1)
-    """Passes over the rollout batch's mini-batches per step (PPO epochs)."""
-    max_staleness: int = Field(0, ge=0)
+    paper: 32 of 512); at most prompts_per_step; 0 = all prompts, one update per step."""
+    ppo_epochs: int = Field(1, ge=1, le=MAX_EPOCHS)
+    """Passes over the rollout batch's mini-batches per step (PPO epochs), 1 to 64."""
+    max_staleness: int = Field(0, ge=0, le=MAX_STALENESS)
     """Async rollouts: sample up to this many steps ahead while the trainer trains; a trajectory is trained at
-    most this many policy versions after it was sampled (pair it with --tis-cap); 0 = sync."""
-    save_every: int = Field(0, ge=0)
-    """Checkpoint every N steps (0 = only the final one)."""
-    run_dir: str = ""
-    """Run directory; empty = <runs root>/<run id>."""
+    most this many policy versions after it was sampled (pair it with --tis-cap); 0 = sync; at most 64."""
+    save_every: int = Field(0, ge=0, le=MAX_STEPS)
+    """Checkpoint every N steps (0 = only the final one), at most 10,000,000."""
+    run_dir: str = Field("", max_length=MAX_PATH_CHARS)
+    """Run directory; empty = <runs root>/<run id>. At most 4096 bytes, 255 per name in it."""
     resume: bool = False
-    """Continue from the latest checkpoint in --run-dir."""
-    seed: int = Field(0, ge=0)
-    """Seed for data order, sampling and tie-breaks."""
-    rollout_addresses: list[str] = ["127.0.0.1:50051"]
-    """Rollout service address(es), host:port; several as a comma-separated list or a repeated flag."""
-    kl_beta: float = Field(0.0, ge=0)
-    """k3 KL coefficient against the initial policy (0 = off)."""
-    max_grad_norm: float = Field(1.0, gt=0)
-    """Gradient clipping norm."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear learning-rate warm-up steps."""
+    """Continue from the latest checkpoint in --run-dir. The resumed run keeps the run id of the run it continues
+    (kept in <run-dir>/run_id): GetRun, WatchRun, checkpoints and the rollout lease all use that one id."""
+    seed: int = Field(0, ge=0, le=INT64_MAX)
+    """Seed for data order, sampling and tie-breaks, 0 to 2^63 - 1."""
+    rollout_addresses: list[str] = Field(["127.0.0.1:50051"], max_length=MAX_ADDRESSES)
+    """Rollout service address(es), host:port; several as a comma-separated list or a repeated flag (at most 64,
+    each at most 300 characters)."""
+    kl_beta: float = Field(0.0, ge=0, le=MAX_COEF)
+    """k3 KL coefficient against the initial policy (0 = off), at most 10."""
+    max_grad_norm: float = Field(1.0, gt=0, le=MAX_GRAD_NORM)
+    """Gradient clipping norm, > 0 and at most 1e9."""
+    weight_decay: float = Field(0.0, ge=0, le=MAX_COEF)
+    """AdamW weight decay, 0 to 10."""
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
+    """Linear learning-rate warm-up steps, at most 10,000,000."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: keep only groups of mixed correctness (0 < #correct < G, graded before the overlong
     penalty), refill the batch."""
-    max_gen_batches: int = Field(3, ge=1)
-    """Dynamic sampling: max generation rounds per step."""
-    dual_clip_c: float | None = Field(None, gt=1)
-    """Dual-clip constant c for A < 0 (off if unset)."""
-    cispo_max_weight: float | None = Field(None, gt=0)
-    """CISPO: absolute cap on the detached IS weight; unset = the loss default."""
-    tis_cap: float | None = Field(None, ge=1)
+    max_gen_batches: int = Field(3, ge=1, le=MAX_GEN_BATCHES)
+    """Dynamic sampling: max generation rounds per step, 1 to 1024."""
+    dual_clip_c: float | None = Field(None, gt=1, le=MAX_WEIGHT)
+    """Dual-clip constant c for A < 0, in (1, 1000] (off if unset)."""
+    cispo_max_weight: float | None = Field(None, gt=0, le=MAX_WEIGHT)
+    """CISPO: absolute cap on the detached IS weight, in (0, 1000]; unset = the loss default."""
+    tis_cap: float | None = Field(None, ge=1, le=MAX_WEIGHT)
     """Truncated importance sampling on the rollout engine's logprobs: weight each token's loss by
-    min(pi_old / pi_rollout, C) (published: 2.0); for cispo: its IS weight becomes pi / pi_rollout, truncated at
-    its own cap (cispo_max_weight); unset = off."""
+    min(pi_old / pi_rollout, C) (published: 2.0), C in [1, 1000]; for cispo: its IS weight becomes
+    pi / pi_rollout, truncated at its own cap (cispo_max_weight); unset = off."""
     weight_sync: WeightSync = "auto"
     """Weight push route: auto = a shared-memory file + LoadWeights for rollout services on this host that
     see it, streaming (UpdateWeights) for the others; stream; path (the run dir + LoadWeights, a shared
     volume); shm (/dev/shm, or FORKRL_SYNC_DIR, + LoadWeights)."""
-    eval_every: int = Field(0, ge=0)
-    """Evaluate accuracy every N steps (0 = before and after only)."""
-    eval_prompts: int = Field(128, ge=0)
-    """Eval-split prompts per evaluation (0 = no eval)."""
+    eval_every: int = Field(0, ge=0, le=MAX_STEPS)
+    """Evaluate accuracy every N steps (0 = before and after only), at most 10,000,000."""
+    eval_prompts: int = Field(128, ge=0, le=MAX_BATCH)
+    """Eval-split prompts per evaluation (0 = no eval), at most 1,048,576 (and the trainer's max_eval_tokens caps
+    eval_prompts x max_new_tokens)."""
     adam_beta1: float = Field(0.9, ge=0, lt=1)
-    """AdamW beta1."""
+    """AdamW beta1, in [0, 1)."""
     adam_beta2: float = Field(0.999, ge=0, lt=1)
-    """AdamW beta2."""
-    overlong_cache_len: int = Field(0, ge=0)
-    """DAPO soft overlong punishment: length of the penalty ramp (0 = off)."""
+    """AdamW beta2, in [0, 1)."""
+    overlong_cache_len: int = Field(0, ge=0, le=MAX_TOKENS)
+    """DAPO soft overlong punishment: length of the penalty ramp (0 = off), at most max_new_tokens (1,048,576)."""
 
     @field_validator("entropy_top_frac")
     @classmethod
     def _check_frac(cls, v: float | None) -> float | None:
         check_top_frac(v)
+        return v
+
+    @field_validator("model", "dataset", "run_dir")
+    @classmethod
+    def _check_path(cls, v: str, info: ValidationInfo) -> str:
+        longest = max(len(part.encode()) for part in v.split("/"))
+        if len(v.encode()) > MAX_PATH_CHARS or longest > MAX_NAME_BYTES:
+            raise ValueError(f"{info.field_name} must have at most {MAX_PATH_CHARS} bytes (UTF-8), at most "
+                             f"{MAX_NAME_BYTES} per name in it, got {len(v.encode()):,} bytes, the longest name "
+                             f"{longest:,}")
         return v
 
     @field_validator("rollout_addresses")
@@ -134,9 +180,12 @@ class RunConfig(BaseModel):
         if not v:
             raise ValueError("rollout_addresses must name at least one host:port")
         for addr in v:
+            if len(addr) > MAX_ADDRESS_CHARS:
+                raise ValueError(f"rollout_addresses: an address has at most {MAX_ADDRESS_CHARS} characters, got "
+                                 f"{shown(addr)}")
             host, sep, port = addr.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"rollout_addresses: expected host:port, got {addr!r}")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise ValueError(f"rollout_addresses: expected host:port (port 0 to 65535), got {shown(addr)}")
         return v
 
     @model_validator(mode="after")
@@ -145,14 +194,21 @@ class RunConfig(BaseModel):
             raise ValueError(f"loss rloo needs group_size >= 2 (leave-one-out baseline), got {self.group_size}")
         if self.dynamic_sampling and self.group_size < 2:
             raise ValueError("dynamic_sampling needs group_size >= 2 (it keeps groups of mixed correctness)")
-        if self.clip_low is not None and self.clip_low >= 1:
-            raise ValueError(f"clip_low must be < 1 (the ratio floor is 1 - clip_low), got {self.clip_low}")
         if self.mini_batch_prompts > self.prompts_per_step:
             raise ValueError(f"mini_batch_prompts ({self.mini_batch_prompts}) must be <= prompts_per_step "
                              f"({self.prompts_per_step}); 0 = all prompts in one update")
         if self.resume and not self.run_dir:
             raise ValueError("resume needs run_dir (the run to continue)")
+        if self.max_new_tokens:
+            self.check_overlong()
         return self
+
+    def check_overlong(self) -> None:
+        """ValueError unless overlong_cache_len <= max_new_tokens (the ramp lies inside the length budget); call
+        it on a resolved config too (max_new_tokens 0 = the task's default, known only then)."""
+        if self.overlong_cache_len > self.max_new_tokens:
+            raise ValueError(f"overlong_cache_len ({self.overlong_cache_len}) must be <= max_new_tokens "
+                             f"({self.max_new_tokens}): the penalty ramp lies inside the length budget")
 
     def loss_config(self) -> LossConfig:
         """The loss settings of this run. Call it on a resolved config (max_new_tokens filled in: it is L_max

@@ -15,7 +15,7 @@ batch holds a trajectory not sampled by the policy the trainer pushed (a restart
 weights again), waits up to `rollout_wait_s` for health SERVING, pushes the current weights again to the services
 that lost them and samples the step again (same prompts, same seeds); `foreign_batches` counts such batches. A run
 that fails anyway first writes a checkpoint of its last trained step, so `--resume` loses nothing but the step in
-progress. The run's id (kept in <run_dir>/run_id across resumes) holds the rollout lease; it is released at the end.
+progress. The run's id (kept in <run_dir>/run_id; a resume keeps it) holds the rollout lease; it is released at the end.
 
 Async (cfg.max_staleness = k >= 1, forkrl/training/pipeline.py): the batches of the next steps are sampled on a
 second thread, at most k steps ahead, while this one trains; each batch is checked against the staleness rule
@@ -93,11 +93,12 @@ def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = Tr
 
 
 def lease_id(run_dir: Path, run_id: str, resume: bool) -> str:
-    """The run's id for the rollout lease: the first run id that used `run_dir`, kept across resumes."""
+    """The run's id, which also holds the rollout lease, written to <run_dir>/run_id: a resume finds it there and
+    keeps it (trainer_service/runs.py: RunManager.start gives a resumed run the id of the run it continues), so
+    one id names the run across resumes. (`resume` is not needed any more; the call site keeps passing it.)"""
     f = run_dir / "run_id"
-    if resume and f.is_file() and f.read_text().strip():
-        return f.read_text().strip()
-    f.write_text(run_id + "\n")
+    if not (f.is_file() and f.read_text().strip() == run_id):
+        f.write_text(run_id + "\n")
     return run_id
 
 

@@ -11,6 +11,7 @@ The training loop receives the resolved config and never resolves again.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,25 @@ def check_values(cfg: RunConfig) -> RunConfig:
     if cfg.task and not cfg.dataset:
         get_task(cfg.task)  # raises ValueError naming the known tasks
     get_reward_fn(cfg.reward)  # raises ValueError for an unknown reward
+    cfg.check_overlong()  # max_new_tokens is known now
     cfg.loss_config()  # raises ValueError for a combination the loss cannot honour
     return cfg
+
+
+def check_context(cfg: RunConfig) -> None:
+    """ValueError when max_new_tokens cannot fit in the model's context (config.json's max_position_embeddings,
+    less one token of prompt): the rollout service would refuse every request of the run. A model with
+    rope_scaling may serve more than that (vLLM scales its max_model_len): not checked here."""
+    try:
+        model_config = json.loads((Path(cfg.model) / "config.json").read_text())
+        context = model_config.get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return  # an unreadable config is reported by the caller (not an HF checkpoint directory)
+    rope = model_config.get("rope_scaling") or model_config.get("rope_parameters") or {}
+    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
+    if isinstance(context, int) and not scaled and cfg.max_new_tokens >= context:
+        raise ValueError(f"max_new_tokens {cfg.max_new_tokens:,} does not fit in the model's context: its "
+                         f"max_position_embeddings is {context:,} (prompt tokens included)")
 
 
 def preflight(cfg: RunConfig, rules: RunRules | None = None) -> RunConfig:
@@ -62,6 +80,7 @@ def preflight(cfg: RunConfig, rules: RunRules | None = None) -> RunConfig:
         raise ValueError(f"model: {cfg.model!r} is not an HF checkpoint directory (no config.json)")
     if cfg.dataset and not Path(cfg.dataset).is_file():
         raise ValueError(f"dataset: no such file {cfg.dataset!r}")
+    check_context(cfg)
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
         has_ckpt = latest_checkpoint(run_dir) is not None

@@ -80,7 +80,7 @@ def check_bounds(cfg: Any, rules: RunRules) -> None:
                          f"{cfg.group_size} x max_new_tokens {cfg.max_new_tokens}{times} = {tokens:,} tokens, more "
                          f"than this trainer's max_step_tokens {rules.max_step_tokens:,}; "
                          + _raise_it("max_step_tokens", tokens))
-    evals = cfg.eval_prompts * cfg.max_new_tokens if cfg.eval_every else 0
+    evals = cfg.eval_prompts * cfg.max_new_tokens  # eval_every 0 still evaluates before and after
     if evals > rules.max_eval_tokens:
         raise ValueError(f"one evaluation may generate eval_prompts {cfg.eval_prompts} x max_new_tokens "
                          f"{cfg.max_new_tokens} = {evals:,} tokens, more than this trainer's max_eval_tokens "

@@ -4,8 +4,12 @@ ids, query strings and tokens. Every answer is a clean client error or a success
 content type are ones the OpenAPI schema documents for that route, and /healthz answers 200 after each example.
 No fuzzed job can be admitted: the allowed root is an empty directory (paths are 400/403/404, no checkpoint).
 
+Every error body also validates against the JSON schema the OpenAPI document declares for that status. Every
+path answers each HTTP method it does not serve with 405 and an `Allow` header naming all the methods it serves.
+
 Also, without a server: the schema documents, for every route, the statuses the middleware and the route can
-answer and its non-JSON content types (records as NDJSON, plots as PNG, metrics as Prometheus text)."""
+answer, its non-JSON content types (records as NDJSON, plots as PNG, metrics as Prometheus text) and the JSON body
+of every error status."""
 
 from __future__ import annotations
 
@@ -17,11 +21,13 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+import jsonschema
 import pytest
 import uvicorn
 from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.routing import Route
 
 from forkrl.probe.params import ProbeParams
 from forkrl.security import http_headers
@@ -34,6 +40,7 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, data
                     suppress_health_check=list(HealthCheck))
 GUARDED = {400, 401}  # every route but /healthz: the Host check and the token
 POST_ONLY = {413, 415, 422}
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE")
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=30)
@@ -83,6 +90,9 @@ def _check(app: Any, method: str, template: str, r: httpx.Response) -> None:
         assert ctype in responses[str(r.status_code)]["content"], (method, template, ctype)
     elif r.status_code >= 400:
         assert ctype == "application/json" and "detail" in r.json(), (method, template, r.text)
+        schema = responses[str(r.status_code)]["content"]["application/json"]["schema"]
+        # the body is what the schema declares ($refs resolve against the document's components)
+        jsonschema.validate(r.json(), {**schema, "components": app.openapi()["components"]})
 
 
 def _healthy(client: httpx.Client) -> None:
@@ -160,6 +170,10 @@ def test_openapi_documents_every_status_and_content_type(tmp_path: Path) -> None
         assert have >= codes | GUARDED, (route, sorted(codes | GUARDED - have))
         if route[0] != "POST":
             assert not have & {413, 415}, route
+    for route, responses in documented.items():  # every error body's schema is declared
+        for code, response in responses.items():
+            if int(code) >= 400:
+                assert "schema" in response.get("content", {}).get("application/json", {}), (route, code)
     content = {route: set(documented[route]["200"].get("content", {})) for route in expected}
     assert content[("GET", "/probe/{job_id}/records")] == {"application/x-ndjson", "application/json"}
     assert content[("GET", "/probe/{job_id}/plot.png")] == {"image/png"}
@@ -167,3 +181,30 @@ def test_openapi_documents_every_status_and_content_type(tmp_path: Path) -> None
     assert content[("GET", "/metrics")] == {"text/plain"}
     assert content[("GET", "/probe/{job_id}/manifest")] == {"application/json"}
     assert documented[("GET", "/healthz")].keys() == {"200"}
+
+
+def test_every_path_answers_405_with_allow_for_the_methods_it_does_not_serve(probe: tuple[str, Any]) -> None:
+    """Every route path (the API's, /healthz, the schema and its viewers) x every HTTP method: a method the path
+    does not serve is 405 with `Allow` naming every method it does serve (not 415 for a body, not the methods of
+    one of its routes only); a served one is never 405."""
+    base, app = probe
+    serves: dict[str, set[str]] = {}
+    for route in app.routes:
+        if isinstance(route, Route) and route.methods:
+            serves.setdefault(route.path, set()).update(route.methods)
+    assert serves["/probe"] == {"GET", "POST"} and serves["/healthz"] == {"GET"} and len(serves) >= 10
+    with httpx.Client(base_url=base, timeout=60, headers=http_headers()) as client:
+        for template, methods in serves.items():
+            path = template.replace("{job_id}", "no-such-job")
+            for method in METHODS:
+                r = client.request(method, path, headers={"content-type": "text/plain"}, content=b"x")
+                if method in methods:
+                    assert r.status_code != 405, (method, template)
+                    continue
+                assert r.status_code == 405, (method, template, r.status_code, r.text)
+                assert set(r.headers["allow"].split(", ")) == methods, (method, template, r.headers["allow"])
+                if method != "HEAD":  # a HEAD answer has no body
+                    assert r.headers["content-type"] == "application/json" and "detail" in r.json()
+        # without the token: 401 first, whatever the method (nothing about the API is said before)
+        r = client.put("/metrics", headers={"authorization": "Bearer nope"})
+        assert r.status_code == 401

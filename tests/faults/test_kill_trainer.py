@@ -1,6 +1,7 @@
 """kill -9 of the trainer service in the middle of a run; a new trainer resumes it (resume=True): the run ends
 SUCCEEDED with every step in metrics.jsonl exactly once (nothing lost, nothing repeated), the resumed run keeps
-the rollout lease of the killed one (the same run, so its pushes are accepted at once) and releases it at the end.
+the run id of the killed one (StartRun, GetRun, every checkpoint, <run_dir>/run_id) and so its rollout lease (the
+same run, so its pushes are accepted at once), and releases the lease at the end.
 Real processes: the vLLM rollout service and two trainer services."""
 
 from __future__ import annotations
@@ -44,9 +45,15 @@ def test_a_trainer_killed_mid_run_resumes_without_losing_or_repeating_a_step(tin
         assert c.info().lease_run_id == run_id  # the killed run still holds the rollout
 
         with start_trainer_service(tmp_path / "runs", log_path=tmp_path / "b.log") as trainer:
-            _, items, run = run_to_end(trainer, cfg.model_copy(update={"resume": True}))
+            resumed_id, items, run = run_to_end(trainer, cfg.model_copy(update={"resume": True}))
         assert run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
+        assert resumed_id == run.run_id == run_id  # one id across the resume
+        # the lease (900 s, held by the killed run) refuses any other run's push: the resumed run pushed as run_id
+        assert f"lease of run {run_id} released" in rollout.log_path.read_text()
         assert [i.metrics.step for i in items if i.HasField("metrics")] == list(range(killed_at + 1, STEPS + 1))
         assert c.info().lease_run_id == ""
     assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, STEPS + 1))
     assert (run_dir / "checkpoints" / "final").is_dir()
+    saved = [p for p in (run_dir / "checkpoints").iterdir() if (p / "trainer_state.json").is_file()]
+    assert {read_state(p)["run_id"] for p in saved} == {run_id} and len(saved) >= 2
+    assert (run_dir / "run_id").read_text().strip() == run_id

@@ -293,6 +293,9 @@ def test_only_json_bodies_413_415_and_host(env):
         assert "application/json" in r.json()["detail"]
     r = client.post("/probe", content=body, headers={"content-type": "application/json; charset=utf-8"})
     assert r.status_code == 404 and r.json()["missing_steps"] == [40]
+    for method, path in (("PUT", "/metrics"), ("PUT", "/probe/x"), ("PATCH", "/probe/x/records")):
+        r = client.request(method, path, content=body, headers={"content-type": "text/plain"})
+        assert r.status_code == 405 and "415" not in r.text, (method, path, r.text)  # the method before the body
     big = json.dumps({"checkpoint_root": "x" * (1 << 20), "steps": [1]})
     r = client.post("/probe", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and "--max-body-bytes" in r.json()["detail"]

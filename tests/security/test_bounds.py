@@ -110,7 +110,9 @@ def test_step_caps_unit(tmp_path: Path) -> None:
     evals = RunConfig(eval_every=1, eval_prompts=100_000, max_new_tokens=1024)
     with pytest.raises(ValueError, match="--max-eval-tokens"):
         check_bounds(evals, rules)
-    check_bounds(evals.model_copy(update={"eval_every": 0}), rules)  # no evaluation, no cap
+    with pytest.raises(ValueError, match="--max-eval-tokens"):  # eval_every 0: still before and after
+        check_bounds(evals.model_copy(update={"eval_every": 0}), rules)
+    check_bounds(evals.model_copy(update={"eval_prompts": 0}), rules)  # no evaluation, no cap
 
 
 def _start_run(address: str, cfg: RunConfig) -> str:
@@ -165,7 +167,7 @@ def test_probe_job_caps_422(probe: str, job: dict, name: str, value: int) -> Non
     detail = r.json()["detail"]
     assert f"= {value:,} exceeds" in detail and f"{getattr(ProbeSettings(), name):,}" in detail, detail
     assert f"--{name.replace('_', '-')} (PROBE_{name.upper()})" in detail and r.json()["limit"] == name
-    assert httpx.get(f"{probe}/probe", headers=http_headers()).json() == {"jobs": []}  # nothing queued
+    assert httpx.get(f"{probe}/probe", headers=http_headers(), timeout=60).json() == {"jobs": []}  # none queued
 
 
 def test_grpc_limits_are_settings() -> None:

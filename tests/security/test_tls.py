@@ -76,9 +76,14 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return out
 
 
+HANG_S = 120  # a deadline only a hang reaches: a TLS handshake on a loaded machine may take seconds
+
+
 def _health(address: str, **kw) -> int:
+    """One health Check (fail-fast: a refused or failed handshake answers UNAVAILABLE at once; only a hang waits
+    for the deadline, which a slow handshake never reaches)."""
     with grpc_channel(address, token="", **kw) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=HANG_S).status
 
 
 def _grpc_fails_without_the_ca(address: str, pki: dict[str, str]) -> None:
@@ -101,8 +106,9 @@ def test_rollout_over_tls(pki: dict[str, str], tmp_path: Path, monkeypatch: pyte
         with RolloutClient(server.address, timeout_s=20) as client:
             trajs = list(client.generate(["1+1="], n=2, temperature=1.0, max_new_tokens=3, seed=0))
             assert len(trajs) == 2 and client.info().version == 0
-        ok = subprocess.run([sys.executable, "clients/healthcheck.py", "grpc", server.address], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=60)
+        # --timeout: its 3 s default suits Docker's polling, not a fresh process's first TLS handshake under load
+        ok = subprocess.run([sys.executable, "clients/healthcheck.py", "grpc", server.address, "--timeout",
+                             str(HANG_S)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=HANG_S + 60)
         assert ok.returncode == 0, ok.stdout + ok.stderr
     finally:
         server.stop()
@@ -128,14 +134,16 @@ def test_probe_over_tls(pki: dict[str, str], tmp_path: Path) -> None:
     try:
         wait_until(lambda: server.started or not thread.is_alive(), 30, "the probe server to start")
         base = f"https://127.0.0.1:{sock.getsockname()[1]}"
-        r = httpx.get(f"{base}/probe", headers=http_headers(), verify=http_verify(pki["ca"]), timeout=10)
+        # deadlines only a hang reaches: a slow handshake must still succeed, and a refused one must fail as a
+        # ConnectError (certificate), never as a ConnectTimeout
+        r = httpx.get(f"{base}/probe", headers=http_headers(), verify=http_verify(pki["ca"]), timeout=HANG_S)
         assert r.status_code == 200 and r.json() == {"jobs": []}
         with pytest.raises(httpx.ConnectError):  # the system's CAs do not know this certificate
-            httpx.get(f"{base}/healthz", timeout=10)
+            httpx.get(f"{base}/healthz", timeout=HANG_S)
         with pytest.raises(httpx.ConnectError):
-            httpx.get(f"{base}/healthz", verify=ssl.create_default_context(cafile=pki["other_ca"]), timeout=10)
+            httpx.get(f"{base}/healthz", verify=ssl.create_default_context(cafile=pki["other_ca"]), timeout=HANG_S)
         with pytest.raises(httpx.HTTPError):  # plaintext to a TLS port
-            httpx.get(base.replace("https", "http") + "/healthz", timeout=10)
+            httpx.get(base.replace("https", "http") + "/healthz", timeout=HANG_S)
     finally:
         server.should_exit = True
         thread.join(30)

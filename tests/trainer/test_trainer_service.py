@@ -78,8 +78,23 @@ def test_unknown_run_ids_are_not_found_and_resume_needs_a_checkpoint(
         ):
             code, msg = _code(call)
             assert code == grpc.StatusCode.NOT_FOUND and "no run 'no-such-run'" in msg
+        long_id = "r" * 100_000  # was RESOURCE_EXHAUSTED: the NOT_FOUND message echoed it past gRPC's header limit
+        for call in (
+            lambda: stub.GetRun(trainer_pb2.GetRunRequest(run_id=long_id), timeout=10),
+            lambda: stub.StopRun(trainer_pb2.StopRunRequest(run_id=long_id), timeout=10),
+            lambda: list(stub.WatchRun(trainer_pb2.WatchRunRequest(run_id=long_id), timeout=10)),
+        ):
+            code, msg = _code(call)
+            assert (code, msg) == (grpc.StatusCode.INVALID_ARGUMENT, "run_id has at most 64 characters, got 100,000")
 
         base = dict(model=str(tiny_model_dir), rollout_addresses=[rollout_address], num_steps=1, **SMALL)
+        # a valid path of 4,000 bytes, echoed by the refusal: cut to 2 KiB, or the status would not fit gRPC's header
+        # limit once percent-encoded (RESOURCE_EXHAUSTED instead of the code meant)
+        deep = str(tmp_path / "/".join(["é" * 100] * 19))
+        far = RunConfig(**{**base, "model": deep})
+        code, msg = _code(lambda: stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(far)), timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("model: ") and msg.endswith(" [cut]")
+        assert len(msg.encode()) <= 2048, len(msg.encode())
         empty = tmp_path / "empty"
         resume = RunConfig(run_dir=str(empty), resume=True, **base)
         code, msg = _code(lambda: stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(resume)), timeout=30))
@@ -95,6 +110,34 @@ def test_unknown_run_ids_are_not_found_and_resume_needs_a_checkpoint(
         fresh = RunConfig(run_dir=str(tmp_path / "used"), **base)
         code, msg = _code(lambda: stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(fresh)), timeout=30))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "already holds checkpoints" in msg
+
+
+def _checkpoint_run_ids(run_dir: Path) -> set[str]:
+    saved = [p for p in (run_dir / "checkpoints").iterdir() if (p / "trainer_state.json").is_file()]
+    return {read_state(p)["run_id"] for p in saved}
+
+
+def test_a_stopped_run_resumed_on_the_same_trainer_keeps_its_id(rollout_address, trainer, tiny_model_dir,
+                                                                tmp_path) -> None:
+    """StopRun, then StartRun(resume) on the same trainer: the resumed run has the id of the run it continues, and
+    GetRun / WatchRun of that id answer for it (the table replaced the stopped run); every checkpoint and the run
+    dir's run_id file carry that one id."""
+    address, _ = trainer
+    run_dir = tmp_path / "again"
+    base = dict(model=str(tiny_model_dir), rollout_addresses=[rollout_address], run_dir=str(run_dir), **SMALL)
+    with trainer_stub(address) as stub:
+        first = stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(RunConfig(num_steps=1000, **base))),
+                              timeout=60)
+        wait_until(lambda: stub.GetRun(trainer_pb2.GetRunRequest(run_id=first.run_id), timeout=10).step >= 1, 300,
+                   "the first step")
+    stopped = stop_and_wait(address, first.run_id)
+    assert stopped.state == trainer_pb2.RUN_STATE_STOPPED, stopped.error
+    run_id, items, run = run_to_end(address, RunConfig(num_steps=stopped.step + 1, resume=True, **base))
+    assert run_id == run.run_id == first.run_id and run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
+    assert [i.metrics.step for i in items if i.HasField("metrics")] == [stopped.step + 1]
+    assert run.step == stopped.step + 1 and run.num_steps == stopped.step + 1  # GetRun(id): the resumed run
+    assert _checkpoint_run_ids(run_dir) == {first.run_id} and (run_dir / "run_id").read_text().strip() == run_id
+    assert {m["step"] for m in metric_lines(run_dir)} == set(range(1, stopped.step + 2))
 
 
 def test_a_second_trainer_on_a_taken_port_fails_instead_of_sharing_it(trainer) -> None:

@@ -149,13 +149,20 @@ def test_start_run_config_file_under_the_flags_over_the_env(tmp_path: Path, monk
     (["--num-steps", "0"], "error: --num-steps: Input should be greater than or equal to 1, got '0'"),
     (["--loss", "rloo", "--group-size", "1"], "error: loss rloo needs group_size >= 2"),
     (["--resume"], "error: resume needs run_dir (the run to continue)"),
+    (["--num-steps", "1000000000000"], "error: --num-steps: Input should be less than or equal to 10000000, got "
+                                       "'1000000000000'"),
+    (["--max-staleness", "2147483647"], "error: --max-staleness: Input should be less than or equal to 64"),
+    (["--lr", "nan"], "error: --lr: Input should be a finite number, got 'nan'"),
+    (["--task", "t" * 100_000], "error: --task: String should have at most 256 characters, got 'ttt"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_start_run_bad_flags_exit_2_with_the_field_and_value(flags, needle, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         start_run.parse_args(flags)
     assert exc.value.code == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err
+    assert "t" * 1000 not in err  # a long value is cut, never echoed whole
 
 
 def test_start_run_bad_config_file_exits_2(tmp_path: Path, capsys) -> None:
@@ -164,6 +171,11 @@ def test_start_run_bad_config_file_exits_2(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         start_run.parse_args(["--config", str(path)])
     assert exc.value.code == 2 and "unknown setting 'bogus'" in capsys.readouterr().err
+    path.write_text("num_steps = 1000000000000\n")  # out of int32: refused with the limit, never sent
+    with pytest.raises(SystemExit) as exc:
+        start_run.parse_args(["--config", str(path)])
+    assert exc.value.code == 2
+    assert "--num-steps: Input should be less than or equal to 10000000" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         start_run.parse_args(["--config", str(tmp_path / "nope.toml")])
     assert exc.value.code == 2 and "nope.toml" in capsys.readouterr().err

@@ -96,13 +96,20 @@ def sleepy_grade(gold: str, completion: str):
     return (1.0 if completion == gold else 0.0), "graded"
 
 
+HANG_BUDGET_S = 10.0  # per item: a hang exceeds it; a dict lookup in a started, warmed-up worker never does
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)  # liveness, not speed: without the per-item timeout this call sleeps for an hour
+@pytest.mark.timeout(600)  # liveness, not speed: without the per-item timeout this call sleeps for an hour
 def test_hung_worker_times_out_scores_zero_and_the_pool_is_replaced():
-    grader = MathVerifyGrader(max_workers=2, timeout_s=2.0, grade_fn=sleepy_grade)
+    """Two hung items take both workers; the three behind them wait in the queue for longer than the per-item
+    budget, then are graded in a new pool: an item's clock starts when a worker takes it, and a hang costs only
+    its own item. No good item races a short budget: the workers are started and warmed up (the grade function's
+    module imported) before any clock starts, and the budget is one only a hang exceeds."""
+    grader = MathVerifyGrader(max_workers=2, timeout_s=HANG_BUDGET_S, grade_fn=sleepy_grade)
     try:
-        result = grader.grade(["1", "hang", "2", "hang", "9"], ["1", "1", "2", "2", "3"])
-        assert result.rewards == [1.0, 0.0, 1.0, 0.0, 0.0]
+        result = grader.grade(["hang", "hang", "1", "2", "9"], ["1", "2", "1", "2", "3"])
+        assert result.rewards == [0.0, 0.0, 1.0, 1.0, 0.0]
         assert result.timeouts == 2
         assert grader.pools_started >= 2
         # the grader keeps working after the recycle
