@@ -121,6 +121,9 @@ class RunConfig(BaseModel):
     """AdamW beta2."""
     overlong_cache_len: int = Field(0, ge=0)
     """DAPO soft overlong punishment: length of the penalty ramp (0 = off)."""
+    max_bad_steps: int = Field(3, ge=0)
+    """Fail the run after this many steps in a row whose every update was skipped for a non-finite loss or gradient
+    norm (each skip is logged with the tensor; the last good checkpoint is kept); 0 = never fail, train on."""
 
     @field_validator("entropy_top_frac")
     @classmethod
