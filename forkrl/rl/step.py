@@ -353,7 +353,8 @@ def train_step(
     (dealt to the ranks). mini_batch_size: sequences per update (None or >= N: one update on the whole batch);
     pass a multiple of the group size to keep groups whole. epochs: passes over the batch.
     kept_out: receives one bool CPU tensor per sequence, in batch order, over its completion tokens: True where
-    the mask of its last update kept the token (left empty when a stop cut the step short).
+    the mask of its last update kept the token (left empty when a stop cut the step short); a gather on N
+    ranks: pass it on every rank or on none.
     skipped_out: receives one sentence per update the guard skipped. stop: polled before every micro-batch and
     optimizer step (module docstring); raises StepStopped when no update was applied yet.
     """

@@ -98,13 +98,14 @@ class Policy:
                             [list(t.logprobs) for t in flat], self.pad_id)
         spec = TASKS.get(cfg.task) if cfg.task and not cfg.dataset else None
         kept: list[torch.Tensor] | None = [] if spec is not None and spec.classes else None
-        mini = cfg.mini_batch_prompts * len(scored.groups[0]) if cfg.mini_batch_prompts else None
+        mini = cfg.mini_batch_prompts * scored.rewards.shape[1] if cfg.mini_batch_prompts else None  # x G samples
         # under torch.distributed every rank passes the whole batch and trains its share (docs/scaling.md)
         metrics = train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
                              micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
                              ref_model=self.ref_model, mini_batch_size=mini, epochs=cfg.ppo_epochs, kept_out=kept,
                              skipped_out=skipped, stop=stop)
-        if spec is not None and kept is not None and len(kept) == len(flat):
+        # every rank gathers the kept flags (a collective); rank 0 alone has the problems to label them with
+        if spec is not None and kept is not None and len(kept) == len(flat) and hasattr(scored, "problems"):
             problems = [p for p, g in zip(scored.problems, scored.groups, strict=True) for _ in g]
             labels = [token_classes(p, [self.token_text(i) for i in t.completion_token_ids])
                       for p, t in zip(problems, flat, strict=True)]
