@@ -48,7 +48,7 @@ def _start_long_run(address: str, rollout: str, model: Path, run_dir: Path) -> s
 
 
 def _assert_stopped_inside_the_first_update(run_dir: Path) -> None:
-    lines = metric_lines(run_dir)
+    lines = metric_lines(run_dir) if (run_dir / "metrics.jsonl").exists() else []  # none: no step was trained
     # stopped in step 1's pi_old pass or update (nothing kept: the checkpoint is step 0), or after some of its
     # updates (step 1 kept with fewer than EPOCHS updates, marked stopped)
     assert len(lines) <= 1
