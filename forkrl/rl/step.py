@@ -399,7 +399,9 @@ def train_step(
                 else:
                     skipped += 1
     except _Stop:
-        optimizer.zero_grad(set_to_none=True)  # the abandoned update's half-accumulated gradient
+        # the abandoned update's half-accumulated gradient (under FSDP2 the unsynced micro-batches' part also
+        # sits on the unsharded parameters until the next synced backward: a stopped run trains no more)
+        optimizer.zero_grad(set_to_none=True)
         if applied == 0:
             raise StepStopped("the stop arrived before any update of the step was applied") from None
         stopped = True

@@ -93,14 +93,18 @@ def record_micro(t: Tally, m: dict[str, float], ent: Tensor, delta: Tensor, kept
             t.add(key, v * w)
     ent64, d64 = ent.double(), delta.double()
     t.entropies.append(ent.detach())
-    t.add("~entropy", float(ent64.sum()))
-    t.add("~entropy_kept", float(ent64[kept].sum()))
-    t.add("~delta", float(d64.sum()))
-    t.add("~delta_kept", float(d64[kept].sum()))
-    if d64.numel():
-        t.hi("~delta_max", float(d64.max()))
-    if bool(kept.any()):
-        t.hi("~delta_kept_max", float(d64[kept].max()))
+    ninf = torch.full((), -math.inf, dtype=torch.float64, device=d64.device)
+    # one device sync for all of them (the response has >= 1 token: the micro-batch would not be trained else)
+    e_sum, e_kept, d_sum, d_kept, d_max, d_kept_max = torch.stack([
+        ent64.sum(), torch.where(kept, ent64, 0.0).sum(), d64.sum(), torch.where(kept, d64, 0.0).sum(),
+        d64.max(), torch.where(kept, d64, ninf).max()]).tolist()
+    t.add("~entropy", e_sum)
+    t.add("~entropy_kept", e_kept)
+    t.add("~delta", d_sum)
+    t.add("~delta_kept", d_kept)
+    t.hi("~delta_max", d_max)
+    if d_kept_max > -math.inf:
+        t.hi("~delta_kept_max", d_kept_max)
     t.lo("mask_threshold", threshold)
     if tis_raw is not None and tis_cap is not None:
         sums, maxs = tis_tally(tis_raw, kept, tis_cap)

@@ -70,14 +70,16 @@ def tis_tally(raw: Tensor, kept: Tensor, cap: float) -> tuple[dict[str, float], 
     """One micro-batch's mismatch statistics as float64 sums and maxima (what ranks and updates add up):
     raw = the untruncated ratios of its response tokens (1-D), kept = their kept flags (bool, same shape)."""
     r = raw.detach().double()
-    rk = r[kept]
-    sums = {"tis_capped": float((r > cap).sum()), "tis_capped_kept": float((rk > cap).sum()),
-            "tis_weight_kept": float(rk.clamp(max=cap).sum())}
-    maxs = {}
-    if r.numel():
-        maxs["tis_ratio_max"] = float(r.max())
-    if rk.numel():
-        maxs["tis_ratio_kept_max"] = float(rk.max())
+    if r.numel() == 0:
+        return {"tis_capped": 0.0, "tis_capped_kept": 0.0, "tis_weight_kept": 0.0}, {}
+    ninf = torch.full((), -torch.inf, dtype=torch.float64, device=r.device)
+    capped, capped_kept, w_kept, r_max, r_kept_max = torch.stack([  # one device sync
+        (r > cap).sum().double(), ((r > cap) & kept).sum().double(), torch.where(kept, r.clamp(max=cap), 0.0).sum(),
+        r.max(), torch.where(kept, r, ninf).max()]).tolist()
+    sums = {"tis_capped": capped, "tis_capped_kept": capped_kept, "tis_weight_kept": w_kept}
+    maxs = {"tis_ratio_max": r_max}
+    if r_kept_max > -torch.inf:
+        maxs["tis_ratio_kept_max"] = r_kept_max
     return sums, maxs
 
 
