@@ -121,9 +121,10 @@ class RunConfig(BaseModel):
     """AdamW beta2."""
     overlong_cache_len: int = Field(0, ge=0)
     """DAPO soft overlong punishment: length of the penalty ramp (0 = off)."""
-    max_bad_steps: int = Field(3, ge=0)
+    max_bad_steps: int = Field(3, ge=0, le=10_000_000)
     """Fail the run after this many steps in a row whose every update was skipped for a non-finite loss or gradient
-    norm (each skip is logged with the tensor; the last good checkpoint is kept); 0 = never fail, train on."""
+    norm (each skip is logged with the tensor; the last good checkpoint is kept); 0 = never fail, train on; at most
+    10,000,000."""
 
     @field_validator("entropy_top_frac")
     @classmethod

@@ -1,9 +1,10 @@
 """Stops that stop and non-finite weights that never leave the trainer, through the real services (issue 25).
 
-- StopRun and SIGTERM with an update in flight that would take hours (1000 PPO epochs of 32 micro-batches of one
-  sequence): the run ends STOPPED with a checkpoint of its last trained step, and the service exits 0. No
-  wall-clock budget: the waits are bounded by 120 s only so that a hang fails instead of blocking; the proof that
-  the stop landed inside the update is in the numbers (no step with all of its 1000 updates).
+- StopRun and SIGTERM with a step in flight whose updates take long (32 prompts x 8 samples, one prompt per
+  mini-batch, 64 PPO epochs: 2048 optimizer updates in one step): the run ends STOPPED with a
+  checkpoint of its last trained step, and the service exits 0. No wall-clock budget: the waits are bounded by
+  120 s only so that a hang fails instead of blocking; the proof that the stop landed inside the step is in the
+  numbers (no step with all of its 2048 updates).
 - `--lr 1e308` on a resumed run: the first update makes the weights non-finite; the run ends FAILED with the
   sentence naming the step, nothing non-finite is pushed (the rollout's version stays at the resume's push and it
   still samples finite log-probs) or saved (every checkpoint on disk holds finite tensors).
@@ -27,7 +28,8 @@ from tests.trainer.helpers import SMALL, metric_lines, run_to_end, stop_and_wait
 
 pytestmark = pytest.mark.slow
 HANG_S = 120  # only a stop that does not stop takes this long
-EPOCHS = 1000
+PROMPTS, G, EPOCHS = 32, 8, 64  # 64: the largest ppo_epochs a RunConfig takes
+UPDATES = PROMPTS * EPOCHS  # one prompt's group per mini-batch
 
 
 def _samples(rollout: str) -> int:
@@ -36,29 +38,30 @@ def _samples(rollout: str) -> int:
 
 
 def _start_long_run(address: str, rollout: str, model: Path, run_dir: Path) -> str:
-    """Start a run whose first step's update would take hours; return once its batch is sampled (the rollout
-    served its 32 samples), i.e. when the trainer is scoring or training it."""
+    """Start a run whose first step takes 2048 updates; return once its batch is sampled (the rollout served
+    its PROMPTS x G samples), i.e. when the trainer is scoring or training it."""
     cfg = RunConfig(model=str(model), rollout_addresses=[rollout], num_steps=3, run_dir=str(run_dir),
-                    micro_batch_size=1, ppo_epochs=EPOCHS, **SMALL)
+                    prompts_per_step=PROMPTS, group_size=G, eval_prompts=0, micro_batch_size=G, mini_batch_prompts=1,
+                    ppo_epochs=EPOCHS)
     before = _samples(rollout)
     with trainer_stub(address) as stub:
         run_id = stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(cfg)), timeout=60).run_id
-    wait_until(lambda: _samples(rollout) >= before + 8 * 4, HANG_S, "the first step's samples", every_s=0.05)
+    wait_until(lambda: _samples(rollout) >= before + PROMPTS * G, HANG_S, "the first step's samples", every_s=0.05)
     return run_id
 
 
 def _assert_stopped_inside_the_first_update(run_dir: Path) -> None:
     lines = metric_lines(run_dir) if (run_dir / "metrics.jsonl").exists() else []  # none: no step was trained
-    # stopped in step 1's pi_old pass or update (nothing kept: the checkpoint is step 0), or after some of its
-    # updates (step 1 kept with fewer than EPOCHS updates, marked stopped)
+    # stopped in step 1's pi_old pass or first update (nothing kept: the checkpoint is step 0), or after some of
+    # its updates (step 1 kept with fewer than all of its updates, marked stopped)
     assert len(lines) <= 1
     if lines:
-        assert lines[0]["step"] == 1 and lines[0]["stopped"] == 1.0 and 1 <= lines[0]["n_updates"] < EPOCHS
+        assert lines[0]["step"] == 1 and lines[0]["stopped"] == 1.0 and 1 <= lines[0]["n_updates"] < UPDATES
     ckpt = latest_checkpoint(run_dir)
     assert ckpt is not None
     state = read_state(ckpt)
     last = lines[-1]["step"] if lines else 0
-    assert state["step"] == last and state["data_cursor"] == 8 * last  # the last trained step, its cursor
+    assert state["step"] == last and state["data_cursor"] == PROMPTS * last  # the last trained step, its cursor
     assert not (run_dir / "checkpoints" / "final").exists()
 
 
