@@ -115,7 +115,8 @@ def main() -> None:
         worker(args)
         return
     print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; batch {args.rows} rows "
-          f"<= {args.length} tokens, micro-batch {args.micro}; dapo, step-scope top-k 0.2; "
+          f"<= {args.length} tokens, micro-batch {args.micro}, updates of {args.mini or args.rows} rows x "
+          f"{args.epochs} epoch(s); dapo, step-scope top-k 0.2, TIS {args.tis_cap or 'off'}; "
           f"{args.threads} thread(s) per rank; median of {args.steps} steps", flush=True)
     one = launch(args, "ddp", 1)
     print(f"1 rank: {one['median_s']:.3f} s/step ({one['params'] / 1e6:.1f} M params)", flush=True)
