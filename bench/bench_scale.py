@@ -2,10 +2,12 @@
 
     python bench/bench_scale.py                         # both modes, 3 timed steps after 1 warm-up
     python bench/bench_scale.py --modes fsdp --steps 5 --hidden 256 --layers 4 --rows 32
+    python bench/bench_scale.py --mini 16 --epochs 2 --tis-cap 2     # the recipe's mechanics: 4 updates a step
 
 One random-init Qwen2 model and one fixed batch of `--rows` trajectories; each run is a fresh torchrun
-(`--nproc-per-node 1` or `2`) whose rank 0 reports the median wall time of `dp_train_step` (forward,
-backward, gradient reduction, AdamW) over the timed steps. 1 rank runs `train_step` itself (world size 1).
+(`--nproc-per-node 1` or `2`) whose rank 0 reports the median wall time of `train_step` (forkrl/rl/step.py:
+forward, backward, gradient reduction, AdamW; with `--mini`/`--epochs` the π_old pass and several updates)
+over the timed steps; world size 1 is the same code without collectives.
 Prints the times and the ratio 2 ranks / 1 rank (< 1 means 2 ranks are faster). Nothing asserts it: on a
 machine with 2 cores shared with other work, 2 ranks mostly measure the gloo collectives and contention.
 Each rank uses `--threads` intra-op threads.
@@ -37,6 +39,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=32, help="trajectories per step")
     p.add_argument("--length", type=int, default=64, help="max prompt+completion tokens")
     p.add_argument("--micro", type=int, default=16, help="global micro-batch size (rows)")
+    p.add_argument("--mini", type=int, default=0, help="rows per update (mini-batch); 0 = one update per step")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the mini-batches per step")
+    p.add_argument("--tis-cap", type=float, default=0.0, help="truncated IS cap (0 = off)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # fsdp|ddp: run one rank, write JSON
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -48,9 +53,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from forkrl.rl.dp import dp_train_step
     from forkrl.rl.losses import LossConfig
-    from forkrl.rl.step import build_batch
+    from forkrl.rl.step import build_batch, train_step
     from forkrl.training.distributed import init_from_env, shard_model
 
     torch.set_num_threads(args.threads)
@@ -73,14 +77,14 @@ def worker(args: argparse.Namespace) -> None:
         lps.append([-1.0] * c)
     batch = build_batch(prompts, comps, lps, pad_id=0)
     adv = torch.randn(args.rows, generator=g)
-    loss_cfg = LossConfig(name="dapo", entropy_top_frac=0.2, mask_scope="step")
+    loss_cfg = LossConfig(name="dapo", entropy_top_frac=0.2, mask_scope="step", tis_cap=args.tis_cap or None)
     times = []
     for step in range(args.steps + 1):
         if info.world_size > 1:
             dist.barrier()
         t0 = time.perf_counter()
-        dp_train_step(model, opt, batch, adv, loss_cfg, temperature=1.0, micro_batch_size=args.micro,
-                      max_grad_norm=1.0)
+        train_step(model, opt, batch, adv, loss_cfg, temperature=1.0, micro_batch_size=args.micro,
+                   max_grad_norm=1.0, mini_batch_size=args.mini or None, epochs=args.epochs)
         if step:  # the first step warms up allocators and gloo
             times.append(time.perf_counter() - t0)
     if info.rank == 0:
@@ -94,8 +98,8 @@ def worker(args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace, mode: str, nproc: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        passthrough = [f"--{k}={getattr(args, k)}" for k in ("steps", "hidden", "layers", "vocab", "rows",
-                                                             "length", "micro", "threads")]
+        passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
+            "steps", "hidden", "layers", "vocab", "rows", "length", "micro", "mini", "epochs", "tis_cap", "threads")]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(Path(__file__).resolve()), f"--worker={mode}", f"--out={out}", *passthrough]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
@@ -111,7 +115,8 @@ def main() -> None:
         worker(args)
         return
     print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; batch {args.rows} rows "
-          f"<= {args.length} tokens, micro-batch {args.micro}; dapo, step-scope top-k 0.2; "
+          f"<= {args.length} tokens, micro-batch {args.micro}, updates of {args.mini or args.rows} rows x "
+          f"{args.epochs} epoch(s); dapo, step-scope top-k 0.2, TIS {args.tis_cap or 'off'}; "
           f"{args.threads} thread(s) per rank; median of {args.steps} steps", flush=True)
     one = launch(args, "ddp", 1)
     print(f"1 rank: {one['median_s']:.3f} s/step ({one['params'] / 1e6:.1f} M params)", flush=True)

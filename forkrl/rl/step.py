@@ -1,109 +1,93 @@
-"""Optimizer updates of policy-gradient training on one rollout batch (pure torch, no I/O).
+"""The train step: the optimizer updates of one rollout batch on 1..N ranks (pure torch, no I/O).
 
-    batch = build_batch(prompt_ids, completion_ids, rollout_logprobs, pad_id)
+    batch = build_batch(prompt_ids, completion_ids, rollout_logprobs, pad_id)      # forkrl/rl/batch.py
     metrics = train_step(model, optimizer, batch, advantages, loss_cfg, temperature=1.0,
                          micro_batch_size=64, max_grad_norm=1.0)                 # one update (default)
     metrics = train_step(..., mini_batch_size=32 * G, epochs=1)                  # B/32 updates (PPO/DAPO)
+    metrics = train_step(..., stop=event.is_set, skipped_out=reasons)           # the guards (below)
 
-What happens (algorithms.md §0–§3, §3.8):
-1. The batch is split into mini-batches of `mini_batch_size` sequences (default: one mini-batch = the whole
-   batch); the caller passes a multiple of the group size so that groups stay whole. Every mini-batch is one
-   optimizer update, repeated for `epochs` passes over the batch (same order every epoch).
+Ranks (docs/scaling.md). Under torch.distributed every rank of `group` passes the **whole** batch and its
+advantages (computed per group from all rewards: step-global without a collective); with one process, or a
+group of one rank, no collective runs. The batch is cut into the same global mini- and micro-batches on every
+rank, and each global micro-batch is dealt to the ranks in contiguous rank-ordered row blocks
+(forkrl/rl/collectives.py `deal`), so rank r's rows follow rank r-1's in the 1-rank order. Everything
+step-global is computed across ranks in that order: the denominators from all-reduced counts, the forking-token
+top-k over the all-gathered entropies (the very same `forking_token_mask` / `masks_for_step` selects, ties
+included), gradients summed (FSDP2 reduce-scatter with divide factor 1, synced on an update's last micro-batch;
+a replicated model: one all_reduce per parameter), metrics reduced (forkrl/rl/step_metrics.py). A rank whose
+share of a micro-batch holds no response token still runs a forward (and a backward of 0 x logits) under FSDP2,
+which needs every rank in every all-gather. N ranks therefore equal one rank up to float32 rounding of the
+summation order; counts are exact (tests/dist/test_dp_equals_one_rank.py).
+
+What happens (algorithms.md §0-§3, §3.8):
+1. The batch is split into mini-batches of `mini_batch_size` sequences (default: one = the whole batch); the
+   caller passes a multiple of the group size so that groups stay whole. Every mini-batch is one optimizer
+   update, repeated for `epochs` passes over the batch (same order every epoch).
 2. π_old (the "proximal" policy of §3.8): with one update in all, the detached log-probs of that update's own
-   forward pass — exactly the single-update arithmetic, ratios exactly 1. With several updates, one no-grad
-   pass before the first update over every micro-batch (the same slicing as the updates), so the ratio of
-   later updates measures how far the policy moved since the batch began and the clip acts.
+   forward pass (the single-update arithmetic, ratios exactly 1). With several updates, one no-grad pass before
+   the first update over every micro-batch (the same slicing as the updates), so later updates' ratios measure
+   how far the policy moved since the batch began and the clip acts.
 3. Each update: its mini-batch is split into micro-batches (one with only empty completions, e.g. aborted
-   samples, is skipped); the global denominators of the mini-batch (kept
-   tokens, response tokens, sequences) are computed once, before any backward, from token counts alone
-   (§2.3). For `mask_scope="step"` a no-grad pass first computes the entropies of every micro-batch of the
-   mini-batch so that one top-k is taken over the whole update. Per micro-batch: forward in fp32 → logp and
-   entropy at the sampling temperature in one chunked pass → forking-token mask (entropy of the *current*
-   weights, §1.3) → the optional truncated-IS weight (forkrl/rl/tis.py, `loss_cfg.tis_cap`; for CISPO the
-   behaviour log-probs become its IS weight's denominator instead) → the loss's
-   share of the update loss → backward. Then gradient clipping and the optimizer step.
+   samples, is skipped); the denominators of the mini-batch (kept tokens, response tokens, sequences) are
+   computed once, before any backward, from token counts alone (§2.3). For `mask_scope="step"` a no-grad pass
+   first computes the entropies of every micro-batch of the mini-batch so that one top-k is taken over the
+   whole update. Per micro-batch: forward in fp32 → logp and entropy at the sampling temperature in one chunked
+   pass → forking-token mask (entropy of the *current* weights, §1.3) → the optional truncated-IS weight
+   (forkrl/rl/tis.py, `loss_cfg.tis_cap`; for CISPO the behaviour log-probs become its IS weight's denominator
+   instead) → the loss's share of the update loss → backward. Then the guard, the gradient clip and the
+   optimizer step.
 4. After the last update, one no-grad pass gives approx_kl = k3 estimate of KL(π_old ‖ π_new) on the kept
    tokens of each micro-batch's last update (and on all response tokens: approx_kl_all).
 
-Metrics (floats): loss, pg_loss, kl_loss and grad_norm are means over updates (grad_norm_max the largest
-pre-clip norm); clip fractions are over the kept tokens of all updates, ratio_mean/min/max over their response
-tokens; kept_tokens and response_tokens are summed over updates (E epochs count every token E times);
-entropy statistics, mask_threshold (the lowest) and the trainer-vs-rollout |Δlogp| (π_old vs the engine's
-log-probs, §6 P6) are over the tokens of every update; n_updates, micro_batches (per epoch).
+Guards. Before each optimizer step: a non-finite loss (on any rank) or gradient norm skips that update (the
+gradients are dropped, no optimizer step: weights and optimizer state unchanged); it is counted
+(`skipped_updates`) and described in `skipped_out` (the loss, or the first parameter whose gradient is
+non-finite). Stop: `stop()` (rank 0's; the other ranks pass None) is read before every micro-batch of every
+pass and before each optimizer step, MAX-reduced over the ranks, so all of them stop at the same point; the
+update in progress is abandoned (its half-accumulated gradient is never stepped). If no update of the step was
+applied yet, `StepStopped` is raised (weights and optimizer state as before the step); otherwise the metrics
+of the updates applied come back with `stopped` = 1.
+
+Metrics: forkrl/rl/step_metrics.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from forkrl.rl.batch import Batch, build_batch
+from forkrl.rl.collectives import (
+    deal,
+    first_nonfinite,
+    gather_segments,
+    is_fsdp,
+    rank_world,
+    reduce_floats,
+    set_grad_sync,
+    sum_replicated_grads,
+)
 from forkrl.rl.entropy import response_logprobs_and_entropy, shift_for_causal_lm
-from forkrl.rl.losses import LossConfig, policy_loss, step_denominator
-from forkrl.rl.mask import MaskResult, forking_token_mask, masks_for_step
-from forkrl.rl.tis import tis_metrics, tis_weights
+from forkrl.rl.losses import LossConfig, StepDenominator, policy_loss
+from forkrl.rl.mask import forking_token_mask, kept_denominator, masks_for_step
+from forkrl.rl.step_metrics import Tally, record_micro, step_metrics
+from forkrl.rl.tis import tis_weights
+
+__all__ = ["Batch", "StepStopped", "build_batch", "train_step"]
 
 
-@dataclass
-class Batch:
-    """Right-padded trajectories. Shapes: N sequences, L = longest prompt+completion.
-
-    input_ids [N, L] long; attention_mask [N, L] long; response_mask [N, L-1] bool, True where the
-    *target* token (input_ids[:, 1:]) is a completion token; rollout_logp [N, L-1] fp32, the engine's
-    log-probs at those positions (0 elsewhere).
-    """
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    response_mask: Tensor
-    rollout_logp: Tensor
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(t.to(device, non_blocking=True) for t in
-                       (self.input_ids, self.attention_mask, self.response_mask, self.rollout_logp)))
-
-    def slice(self, start: int, stop: int) -> Batch:
-        # Trim the padding columns this micro-batch does not need (saves attention and lm_head work).
-        width = int(self.attention_mask[start:stop].sum(dim=1).max())
-        return Batch(self.input_ids[start:stop, :width], self.attention_mask[start:stop, :width],
-                     self.response_mask[start:stop, : width - 1], self.rollout_logp[start:stop, : width - 1])
+class StepStopped(Exception):
+    """A stop arrived before any update of the step was applied: weights and optimizer state are as before it."""
 
 
-def build_batch(
-    prompt_ids: list[list[int]], completion_ids: list[list[int]], rollout_logprobs: list[list[float]], pad_id: int
-) -> Batch:
-    if not (len(prompt_ids) == len(completion_ids) == len(rollout_logprobs)):
-        raise ValueError(f"got {len(prompt_ids)} prompts, {len(completion_ids)} completions and "
-                         f"{len(rollout_logprobs)} logprob lists; they must match")
-    if not prompt_ids:
-        raise ValueError("build_batch needs at least one trajectory")
-    width = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=False))
-    n = len(prompt_ids)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    response = torch.zeros((n, width - 1), dtype=torch.bool)
-    rollout = torch.zeros((n, width - 1), dtype=torch.float32)
-    for i, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, rollout_logprobs, strict=False)):
-        if not p:
-            raise ValueError(f"trajectory {i} has an empty prompt (a causal LM needs a token to condition on)")
-        if len(lp) != len(c):
-            raise ValueError(f"trajectory {i}: {len(c)} completion tokens but {len(lp)} logprobs")
-        seq = list(p) + list(c)
-        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention[i, : len(seq)] = 1
-        # target index j predicts input_ids[j + 1]: completion token k sits at len(p) + k, target len(p)+k-1
-        response[i, len(p) - 1 : len(p) - 1 + len(c)] = True
-        if c:
-            rollout[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32)
-    return Batch(input_ids, attention, response, rollout)
-
-
-_SUMMED = ("loss", "pg_loss", "kl_loss", "kept_tokens", "response_tokens")
-_PER_UPDATE = ("loss", "pg_loss", "kl_loss")  # shares of one update's loss: averaged over updates
+class _Stop(Exception):
+    pass
 
 
 def _forward(model: torch.nn.Module, mb: Batch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
@@ -113,122 +97,235 @@ def _forward(model: torch.nn.Module, mb: Batch, temperature: float, with_entropy
                                          with_entropy=with_entropy)
 
 
-def _quantiles(values: Tensor, qs: tuple[float, ...]) -> list[float]:
-    if values.numel() == 0:
-        return [0.0] * len(qs)
-    s = values.double().sort().values
-    return [float(s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]) for q in qs]
+@dataclass(frozen=True)
+class _Micro:
+    """This rank's share of one global micro-batch: rows [a, b) of the batch; mb None when they hold no
+    response token (an empty block, or only empty completions)."""
+
+    a: int
+    b: int
+    mb: Batch | None
 
 
 @dataclass
-class _Acc:
-    """What the updates of one batch accumulate for the step's metrics."""
+class _Ctx:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    cfg: LossConfig
+    temperature: float
+    ref_model: torch.nn.Module | None
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    device: torch.device
+    batch: Batch
+    stop: Callable[[], bool] | None
 
-    sums: dict[str, float] = field(default_factory=dict)
-    all_ent: list[Tensor] = field(default_factory=list)
-    kept_ent: list[Tensor] = field(default_factory=list)
-    d_all: list[Tensor] = field(default_factory=list)
-    d_kept: list[Tensor] = field(default_factory=list)
-    thresholds: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    tis: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # (raw ratio, resp, kept) per micro
-    # per micro-batch (mini-batch k, micro j): π_old and the kept mask of its last update, for approx_kl
-    old: dict[tuple[int, int], Tensor] = field(default_factory=dict)
-    kept: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    def flags(self, *local: float) -> tuple[bool, list[float]]:
+        """(stop requested on any rank, the MAX over ranks of `local`): one all_reduce on N ranks."""
+        out = reduce_floats([1.0 if self.stop is not None and self.stop() else 0.0, *local], "max", self.device,
+                            self.group)
+        return out[0] > 0, out[1:]
+
+    def check_stop(self) -> None:
+        if self.flags()[0]:
+            raise _Stop
+
+    def forward(self, mb: Batch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        return _forward(self.model, mb, self.temperature, with_entropy)
+
+    def join(self, grad: bool) -> Tensor | None:
+        """A share without tokens under FSDP2: a forward on one row, so this rank joins the all-gathers of the
+        others; with grad, returns 0 x logits, whose backward joins the reduce-scatter and adds no gradient."""
+        if not is_fsdp(self.model):
+            return None
+        one = self.batch.slice(0, 1).to(self.device)
+        with torch.set_grad_enabled(grad):
+            logits = self.model(input_ids=one.input_ids, attention_mask=one.attention_mask, use_cache=False).logits
+        return logits.float().sum() * 0.0 if grad else None
+
+    def local(self, a: int, b: int) -> _Micro:
+        s, e = deal(a, b, self.world, self.rank)
+        has = e > s and bool(self.batch.response_mask[s:e].any())
+        return _Micro(s, e, self.batch.slice(s, e).to(self.device) if has else None)
 
 
-def _update(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    k: int,
-    bounds: list[tuple[int, int]],
-    micros: list[Batch],
-    old_logps: list[Tensor] | None,
-    advantages: Tensor,
-    loss_cfg: LossConfig,
-    temperature: float,
-    max_grad_norm: float,
-    ref_model: torch.nn.Module | None,
-    acc: _Acc,
-) -> None:
-    """One optimizer update on mini-batch k (its micro-batches), accumulating metrics into acc."""
-    rho, scope = loss_cfg.entropy_top_frac, loss_cfg.mask_scope
-    denom = step_denominator(loss_cfg, [mb.response_mask for mb in micros])
+def _plan(batch: Batch, mini: int, micro: int) -> list[list[tuple[int, int]]]:
+    """The global micro-batches (row bounds) of each mini-batch; a micro-batch of only empty completions (aborted
+    samples) holds no token to train on and is left out, as is a mini-batch left with none."""
+    n = len(batch)
+    plan = [[(a, min(a + micro, e)) for a in range(s, e, micro)] for s, e in ((s, min(s + mini, n))
+                                                                            for s in range(0, n, mini))]
+    return [kept for kept in ([(a, b) for a, b in bounds if bool(batch.response_mask[a:b].any())]
+                              for bounds in plan) if kept]
 
-    step_masks: list[MaskResult] | None = None
-    if loss_cfg.mask_on and scope == "step":
-        with torch.no_grad():
-            ents = [_forward(model, mb, temperature, True)[1] for mb in micros]
-        step_masks = masks_for_step(ents, [mb.response_mask for mb in micros], rho, "step")
 
+def _denominator(ctx: _Ctx, mus: list[_Micro]) -> StepDenominator:
+    """The update's denominators from the counts of every rank (all-reduced), before any backward (§0, §2.3)."""
+    local: list[float] = []
+    for mu in mus:
+        rm = mu.mb.response_mask if mu.mb is not None else None
+        local += [float(rm.sum()), float(rm.any(dim=-1).sum())] if rm is not None else [0.0, 0.0]
+    tot = reduce_floats(local, "sum", ctx.device, ctx.group)
+    counts = [int(c) for c in tot[0::2]]
+    n_resp, seqs = sum(counts), int(sum(tot[1::2]))
+    cfg = ctx.cfg
+    pg = kept_denominator(counts, cfg.entropy_top_frac, cfg.mask_scope) if cfg.mask_on and cfg.norm == "kept" \
+        else n_resp
+    return StepDenominator(pg_tokens=pg, response_tokens=n_resp, seqs=seqs)
+
+
+def _resp_entropy(mu: _Micro, ent: Tensor | None, device: torch.device) -> Tensor:
+    if mu.mb is None or ent is None:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    return ent.detach()[mu.mb.response_mask].float()
+
+
+def _step_scope_keep(ctx: _Ctx, mus: list[_Micro]) -> tuple[list[Tensor], float]:
+    """Step scope: this rank's kept flags per micro-batch (over its response tokens) and the step threshold, from
+    one top-k over the entropies of the whole update gathered in the 1-rank order."""
+    ents = []
+    with torch.no_grad():
+        for mu in mus:
+            ctx.check_stop()
+            if mu.mb is None:
+                ctx.join(grad=False)
+            ents.append(_resp_entropy(mu, ctx.forward(mu.mb, True)[1] if mu.mb is not None else None, ctx.device))
+    segs = gather_segments(ents, ctx.group)
+    res = masks_for_step([s.unsqueeze(0) for s in segs],
+                         [torch.ones((1, s.numel()), dtype=torch.bool, device=ctx.device) for s in segs],
+                         ctx.cfg.entropy_top_frac, "step")
+    return [res[j * ctx.world + ctx.rank].mask[0] for j in range(len(mus))], res[0].threshold
+
+
+def _micro_keep(ctx: _Ctx, mu: _Micro, ent: Tensor | None) -> tuple[Tensor | None, float]:
+    """Micro-batch scope: this rank's kept flags (None: all) and the threshold; a collective when the mask is on."""
+    vals = _resp_entropy(mu, ent, ctx.device)
+    if not ctx.cfg.mask_on:  # off: the threshold is the lowest entropy (MIN-reduced with the metrics)
+        return None, float(vals.min()) if vals.numel() else math.inf
+    segs = gather_segments([vals], ctx.group)
+    flat = torch.cat(segs)
+    res = forking_token_mask(flat.unsqueeze(0), torch.ones((1, flat.numel()), dtype=torch.bool, device=ctx.device),
+                             ctx.cfg.entropy_top_frac)
+    start = sum(int(s.numel()) for s in segs[: ctx.rank])
+    return res.mask[0, start : start + vals.numel()], res.threshold
+
+
+def _update(ctx: _Ctx, k: int, mus: list[_Micro], old: list[Tensor | None] | None, advantages: Tensor,
+            max_grad_norm: float, acc: Tally, last: dict, skipped_out: list[str] | None) -> bool:
+    """One optimizer update on mini-batch k; True when applied, False when the guard skipped it. Its metrics
+    and kept masks join `acc` and `last` only when it ran to its end."""
+    cfg, model, opt = ctx.cfg, ctx.model, ctx.optimizer
+    denom = _denominator(ctx, mus)
+    step_keep = _step_scope_keep(ctx, mus) if cfg.mask_on and cfg.mask_scope == "step" else None
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    sums = acc.sums
-    for j, ((s, e), mb) in enumerate(zip(bounds, micros, strict=False)):
-        logp, ent = _forward(model, mb, temperature, True)
-        assert ent is not None
-        if step_masks is not None:
-            res = step_masks[j]
-        else:
-            res = forking_token_mask(ent, mb.response_mask, rho)
-        token_mask = res.mask
-        acc.thresholds.append(res.threshold)
+    opt.zero_grad(set_to_none=True)
+    upd, seen, loss_bad = Tally(), {}, 0.0
+    for j, mu in enumerate(mus):
+        ctx.check_stop()
+        set_grad_sync(model, j == len(mus) - 1)
+        # the same collectives in the same order on every rank: the forward's, the mask's, the backward's
+        zero = ctx.join(grad=True) if mu.mb is None else None
+        logp, ent = ctx.forward(mu.mb, True) if mu.mb is not None else (None, None)
+        keep, threshold = (step_keep[0][j], step_keep[1]) if step_keep is not None else _micro_keep(ctx, mu, ent)
+        mb = mu.mb
+        if mb is None or logp is None or ent is None:
+            if zero is not None:
+                zero.backward()
+            upd.entropies.append(_resp_entropy(mu, None, ctx.device))
+            seen[(k, j)] = None
+            continue
+        resp = mb.response_mask
+        token_mask = resp.clone()
+        if keep is not None:
+            token_mask = torch.zeros_like(resp)
+            token_mask[resp] = keep
         ref_logp = None
-        if ref_model is not None and loss_cfg.kl_beta > 0:
+        if ctx.ref_model is not None and cfg.kl_beta > 0:
             with torch.no_grad():
-                ref_logp, _ = _forward(ref_model, mb, temperature, False)
-        old_logp = logp.detach() if old_logps is None else old_logps[j]
-        is_weight = behav_logp = None
-        if loss_cfg.tis_cap is not None:
-            is_weight, raw = tis_weights(old_logp, mb.rollout_logp, mb.response_mask, loss_cfg.tis_cap,
-                                         per_sequence=loss_cfg.name == "gspo")
-            acc.tis.append((raw, mb.response_mask, token_mask))
-            if loss_cfg.name == "cispo":  # its own IS weight takes π_behav as denominator, no extra w_t (§3.8)
+                ref_logp, _ = _forward(ctx.ref_model, mb, ctx.temperature, False)
+        old_logp = logp.detach() if old is None or old[j] is None else old[j]
+        assert old_logp is not None
+        is_weight = behav_logp = raw = None
+        if cfg.tis_cap is not None:
+            is_weight, raw = tis_weights(old_logp, mb.rollout_logp, resp, cfg.tis_cap, per_sequence=cfg.name == "gspo")
+            if cfg.name == "cispo":  # its own IS weight takes π_behav as denominator, no extra w_t (§3.8)
                 is_weight, behav_logp = None, mb.rollout_logp
-        loss, m = policy_loss(loss_cfg, logp, old_logp, advantages[s:e], mb.response_mask, token_mask, denom,
+        loss, m = policy_loss(cfg, logp, old_logp, advantages[mu.a : mu.b], resp, token_mask, denom,
                               ref_logp=ref_logp, is_weight=is_weight, behav_logp=behav_logp)
         loss.backward()
-        for key, v in m.items():
-            if key == "ratio_max":
-                sums[key] = max(sums.get(key, v), v)
-                continue
-            if key == "ratio_min":
-                sums[key] = min(sums.get(key, v), v)
-                continue
-            # micro metrics are shares of the update loss (summed), or fractions over this micro-batch's kept
-            # tokens (clip fractions) or response tokens (means): turn fractions back into counts
-            w = 1.0 if key in _SUMMED else m["kept_tokens"] if key.endswith("clip_frac") or "clip_frac_" in key \
-                else m["response_tokens"]
-            sums[key] = sums.get(key, 0.0) + v * w
+        loss_bad = max(loss_bad, 0.0 if math.isfinite(m["loss"]) else 1.0)
         with torch.no_grad():
-            resp = mb.response_mask
-            acc.all_ent.append(ent[resp])
-            acc.kept_ent.append(ent[token_mask])
-            delta = (old_logp - mb.rollout_logp).abs()
-            acc.d_all.append(delta[resp])
-            acc.d_kept.append(delta[token_mask])
-            acc.old[(k, j)] = old_logp
-            acc.kept[(k, j)] = token_mask
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    acc.grad_norms.append(float(grad_norm))
+            record_micro(upd, m, ent[resp].float(), (old_logp - mb.rollout_logp).abs()[resp], token_mask[resp],
+                         threshold, None if raw is None else raw[resp], cfg.tis_cap)
+        seen[(k, j)] = (old_logp.detach(), token_mask)
+    sum_replicated_grads(model, ctx.group)
+    stop, (bad,) = ctx.flags(loss_bad)  # the stop and the loss check: the same decision on every rank
+    if stop:
+        raise _Stop
+    params = list(model.parameters())
+    total = get_total_norm([p.grad for p in params if p.grad is not None])
+    norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)  # FSDP2: a DTensor
+    upd.grad_norms.append(norm)
+    applied = bad == 0 and math.isfinite(norm)
+    if applied:
+        clip_grads_with_norm_(params, max_grad_norm, total)
+        opt.step()
+    else:  # skipped: say why (the search for the first bad gradient is a collective: every rank runs it)
+        name = None if bad else first_nonfinite([(n, p.grad) for n, p in model.named_parameters()], ctx.device,
+                                                ctx.group)
+        what = "the loss is non-finite" if bad else f"the gradient of {name} is non-finite" if name \
+            else "every gradient is finite but their norm overflows"
+        if skipped_out is not None:
+            skipped_out.append(f"{what} (grad norm {norm:g})")
+    opt.zero_grad(set_to_none=True)
+    acc.merge(upd)
+    last.update(seen)
+    return applied
 
 
-def _approx_kl(model: torch.nn.Module, micros: list[list[Batch]], acc: _Acc, temperature: float) -> tuple[float, float]:
-    """k3 estimate of KL(π_old ‖ π_now) (r = π_now/π_old, k3 = r - 1 - log r ≥ 0) on kept and all tokens."""
-    kept_sum, kept_n, all_sum, all_n = 0.0, 0, 0.0, 0
+def _approx_kl(ctx: _Ctx, micros: list[list[_Micro]], last: dict) -> tuple[float, float]:
+    """k3 of KL(π_old ‖ π_now) (r = π_now / π_old, k3 = r - 1 - log r >= 0) on the kept and on all response
+    tokens of each micro-batch's last update; sums all-reduced."""
+    sums = [0.0, 0.0, 0.0, 0.0]  # kept sum, kept n, all sum, all n
     with torch.no_grad():
-        for k, mbs in enumerate(micros):
-            for j, mb in enumerate(mbs):
-                logp, _ = _forward(model, mb, temperature, False)
-                d = (logp - acc.old[(k, j)]).double().clamp(-20.0, 20.0)
+        for k, mus in enumerate(micros):
+            for j, mu in enumerate(mus):
+                ctx.check_stop()
+                entry = last.get((k, j))
+                if mu.mb is None or entry is None:
+                    ctx.join(grad=False)
+                    continue
+                old, kept = entry
+                logp, _ = ctx.forward(mu.mb, False)
+                d = (logp - old).double().clamp(-20.0, 20.0)
                 k3 = d.exp() - d - 1.0
-                kept_sum += float(k3[acc.kept[(k, j)]].sum())
-                kept_n += int(acc.kept[(k, j)].sum())
-                all_sum += float(k3[mb.response_mask].sum())
-                all_n += int(mb.response_mask.sum())
-    return kept_sum / max(kept_n, 1), all_sum / max(all_n, 1)
+                resp = mu.mb.response_mask
+                sums = [a + float(b) for a, b in zip(sums, (k3[kept].sum(), kept.sum(), k3[resp].sum(), resp.sum()),
+                                                     strict=True)]
+    tot = reduce_floats(sums, "sum", ctx.device, ctx.group)
+    return tot[0] / max(tot[1], 1.0), tot[2] / max(tot[3], 1.0)
+
+
+def _kept_rows(ctx: _Ctx, plan: list[list[tuple[int, int]]], micros: list[list[_Micro]], last: dict) -> list[Tensor]:
+    """One bool CPU tensor per sequence over its completion tokens: True where the last update's mask kept it,
+    gathered from every rank (1-rank order: micro-batch major, rank minor)."""
+    segs = []
+    for k, mus in enumerate(micros):
+        for j, mu in enumerate(mus):
+            entry = last.get((k, j))
+            keep = entry[1][mu.mb.response_mask] if entry is not None and mu.mb is not None else \
+                torch.zeros(0, dtype=torch.bool, device=ctx.device)
+            segs.append(keep.to(torch.uint8))
+    gathered = gather_segments(segs, ctx.group)
+    rows = [torch.zeros(0, dtype=torch.bool)] * len(ctx.batch)  # rows of a left-out micro-batch keep nothing
+    bounds = [ab for mini in plan for ab in mini]
+    for idx, (a, b) in enumerate(bounds):
+        flat = torch.cat(gathered[idx * ctx.world : (idx + 1) * ctx.world]).bool().cpu()
+        counts = ctx.batch.response_mask[a:b].sum(dim=1).tolist()
+        for r, part in enumerate(torch.split(flat, counts)):
+            rows[a + r] = part
+    return rows
 
 
 def train_step(
@@ -245,15 +342,21 @@ def train_step(
     mini_batch_size: int | None = None,
     epochs: int = 1,
     kept_out: list[Tensor] | None = None,
+    skipped_out: list[str] | None = None,
+    stop: Callable[[], bool] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
-    """The optimizer updates of one rollout batch; returns floats for logging (module docstring).
+    """The optimizer updates of one rollout batch on every rank of `group` (the default group; one process: no
+    collective); returns the step's floats, equal on every rank (module docstring).
 
-    advantages: [N] per sequence (same order as the batch). mini_batch_size: sequences per update (None or
-    >= N: one update on the whole batch); pass a multiple of the group size to keep groups whole.
-    epochs: passes over the batch.
-    kept_out: when given, receives one bool CPU tensor per sequence, in batch order, over that sequence's
-    completion tokens in order: True where the mask of the last update kept the token (for a breakdown by
-    token class).
+    advantages: [N] per sequence (same order as the batch). micro_batch_size: sequences per global micro-batch
+    (dealt to the ranks). mini_batch_size: sequences per update (None or >= N: one update on the whole batch);
+    pass a multiple of the group size to keep groups whole. epochs: passes over the batch.
+    kept_out: receives one bool CPU tensor per sequence, in batch order, over its completion tokens: True where
+    the mask of its last update kept the token (left empty when a stop cut the step short); a gather on N
+    ranks: pass it on every rank or on none.
+    skipped_out: receives one sentence per update the guard skipped. stop: polled before every micro-batch and
+    optimizer step (module docstring); raises StepStopped when no update was applied yet.
     """
     n = len(batch)
     if advantages.shape != (n,):
@@ -265,64 +368,52 @@ def train_step(
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     device = next(model.parameters()).device
-    advantages = advantages.to(device)
-    size = n if mini_batch_size is None else min(mini_batch_size, n)
-    plan = [[(a, min(a + micro_batch_size, e)) for a in range(s, e, micro_batch_size)]
-            for s, e in ((s, min(s + size, n)) for s in range(0, n, size))]
-    # A micro-batch of only empty completions (aborted samples) holds no token to train on: skip it. Empty
-    # sequences next to real ones need nothing: no token of theirs enters a loss, mask or denominator.
-    plan = [kept for kept in ([(a, b) for a, b in bounds if bool(batch.response_mask[a:b].any())]
-                              for bounds in plan) if kept]
+    rank, world = rank_world(group)
+    ctx = _Ctx(model, optimizer, loss_cfg, temperature, ref_model, group, rank, world, device, batch, stop)
+    plan = _plan(batch, n if mini_batch_size is None else min(mini_batch_size, n), micro_batch_size)
     if not plan:
         raise ValueError(f"all {n} completions of the step are empty (0 tokens): nothing to train on")
-    micros = [[batch.slice(a, b).to(device) for a, b in bounds] for bounds in plan]
-    n_updates = len(plan) * epochs
-
-    old: list[list[Tensor]] | None = None
-    if n_updates > 1:  # π_old: the weights before the first update, on the same micro-batches (§3.8)
-        model.train()
-        with torch.no_grad():
-            old = [[_forward(model, mb, temperature, False)[0] for mb in mbs] for mbs in micros]
-
-    acc = _Acc()
-    for _ in range(epochs):
-        for k, (bounds, mbs) in enumerate(zip(plan, micros, strict=True)):
-            _update(model, optimizer, k, bounds, mbs, None if old is None else old[k], advantages, loss_cfg,
-                    temperature, max_grad_norm, ref_model, acc)
-    kl_kept, kl_all = _approx_kl(model, micros, acc, temperature)
-    if kept_out is not None:  # completion targets are contiguous per row: row r's in order
-        rows = [torch.zeros(0, dtype=torch.bool)] * n  # a skipped (all-empty) micro-batch's rows keep nothing
-        for k, (bounds, mbs) in enumerate(zip(plan, micros, strict=True)):
-            for j, ((a, _), mb) in enumerate(zip(bounds, mbs, strict=True)):
-                tm, rm = acc.kept[(k, j)].cpu(), mb.response_mask.cpu()  # one transfer per micro-batch
-                for r in range(len(mb)):
-                    rows[a + r] = tm[r][rm[r]]
-        kept_out.extend(rows)
-
-    sums = acc.sums
-    n_resp, n_kept = sums["response_tokens"], max(sums["kept_tokens"], 1.0)
-    out = {}
-    for key, v in sums.items():
-        if key in _PER_UPDATE:
-            out[key] = v / n_updates
-        elif key in _SUMMED or key in ("ratio_max", "ratio_min"):
-            out[key] = v
-        else:
-            out[key] = v / (n_kept if key.endswith("clip_frac") or "clip_frac_" in key else n_resp)
-    out["kept_frac"] = sums["kept_tokens"] / n_resp
-    ent_all, ent_kept = torch.cat(acc.all_ent), torch.cat(acc.kept_ent)
-    da, dk = torch.cat(acc.d_all), torch.cat(acc.d_kept)
-    p50, p80, p90, p99 = _quantiles(ent_all, (0.5, 0.8, 0.9, 0.99))
-    out.update(
-        entropy_mean=float(ent_all.mean()), entropy_p50=p50, entropy_p80=p80, entropy_p90=p90, entropy_p99=p99,
-        entropy_kept_mean=float(ent_kept.mean()) if ent_kept.numel() else 0.0,
-        mask_threshold=min(acc.thresholds), grad_norm=sum(acc.grad_norms) / n_updates,
-        logp_delta_mean=float(da.mean()), logp_delta_max=float(da.max()),
-        logp_delta_kept_mean=float(dk.mean()) if dk.numel() else 0.0,
-        logp_delta_kept_max=float(dk.max()) if dk.numel() else 0.0,
-        micro_batches=float(sum(len(mbs) for mbs in micros)),
-        n_updates=float(n_updates), grad_norm_max=max(acc.grad_norms), approx_kl=kl_kept, approx_kl_all=kl_all,
-    )
-    if loss_cfg.tis_cap is not None:
-        out.update(tis_metrics(acc.tis, loss_cfg.tis_cap))
+    advantages = advantages.to(device)
+    micros = [[ctx.local(a, b) for a, b in bounds] for bounds in plan]
+    acc, last = Tally(), {}
+    applied = skipped = 0
+    stopped = False
+    try:
+        old: list[list[Tensor | None]] | None = None
+        if len(plan) * epochs > 1:  # π_old: the weights before the first update, on the same micro-batches (§3.8)
+            model.train()
+            old = []
+            with torch.no_grad():
+                for mus in micros:
+                    old.append([])
+                    for mu in mus:
+                        ctx.check_stop()
+                        if mu.mb is None:
+                            ctx.join(grad=False)
+                        old[-1].append(ctx.forward(mu.mb, False)[0] if mu.mb is not None else None)
+        for _ in range(epochs):
+            for k, mus in enumerate(micros):
+                if _update(ctx, k, mus, None if old is None else old[k], advantages, max_grad_norm, acc, last,
+                           skipped_out):
+                    applied += 1
+                else:
+                    skipped += 1
+    except _Stop:
+        # the abandoned update's half-accumulated gradient (under FSDP2 the unsynced micro-batches' part also
+        # sits on the unsharded parameters until the next synced backward: a stopped run trains no more)
+        optimizer.zero_grad(set_to_none=True)
+        if applied == 0:
+            raise StepStopped("the stop arrived before any update of the step was applied") from None
+        stopped = True
+    out = step_metrics(acc, n_applied=applied, n_skipped=skipped, micro_batches=sum(len(b) for b in plan),
+                       tis_on=loss_cfg.tis_cap is not None, device=device, group=group)
+    if stopped:
+        out["stopped"] = 1.0
+        return out
+    try:
+        out["approx_kl"], out["approx_kl_all"] = _approx_kl(ctx, micros, last)
+    except _Stop:  # every update is applied: only this telemetry is left out
+        return out
+    if kept_out is not None:
+        kept_out.extend(_kept_rows(ctx, plan, micros, last))
     return out

@@ -24,9 +24,10 @@ bounds the variance a token with a tiny behaviour probability would add.
   π_behav as its denominator directly, with no extra w_t (§3.8; forkrl/rl/losses.py). C then only sets the
   threshold of the logged statistics below, which still describe π_old / π_behav.
 
-Logged per step (`tis_metrics`): the weight's mean on kept tokens, the largest raw ratio and the fraction of
-tokens whose raw ratio exceeds C, on all response tokens and on kept tokens (the trainer-vs-rollout mean
-|Δlogp| is logged by the step with or without TIS).
+Logged per step (`tis_tally` per micro-batch, summed over updates and ranks, then `tis_from_tally`): the
+weight's mean on kept tokens, the largest raw ratio and the fraction of tokens whose raw ratio exceeds C, on all
+response tokens and on kept tokens (the trainer-vs-rollout mean |Δlogp| is logged by the step with or without
+TIS).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["tis_metrics", "tis_weights"]
+__all__ = ["tis_from_tally", "tis_metrics", "tis_tally", "tis_weights"]
 
 _LOG_RATIO_CLAMP = 20.0  # as the PPO ratio (forkrl/rl/losses.py)
 
@@ -65,19 +66,47 @@ def tis_weights(
         return raw.clamp(max=cap), raw
 
 
-def tis_metrics(parts: Sequence[tuple[Tensor, Tensor, Tensor]], cap: float) -> dict[str, float]:
-    """Mismatch statistics over micro-batches: parts = (raw ratio, response mask, kept mask) per micro-batch.
+def tis_tally(raw: Tensor, kept: Tensor, cap: float) -> tuple[dict[str, float], dict[str, float]]:
+    """One micro-batch's mismatch statistics as float64 sums and maxima (what ranks and updates add up):
+    raw = the untruncated ratios of its response tokens (1-D), kept = their kept flags (bool, same shape)."""
+    r = raw.detach().double()
+    if r.numel() == 0:
+        return {"tis_capped": 0.0, "tis_capped_kept": 0.0, "tis_weight_kept": 0.0}, {}
+    ninf = torch.full((), -torch.inf, dtype=torch.float64, device=r.device)
+    capped, capped_kept, w_kept, r_max, r_kept_max = torch.stack([  # one device sync
+        (r > cap).sum().double(), ((r > cap) & kept).sum().double(), torch.where(kept, r.clamp(max=cap), 0.0).sum(),
+        r.max(), torch.where(kept, r, ninf).max()]).tolist()
+    sums = {"tis_capped": capped, "tis_capped_kept": capped_kept, "tis_weight_kept": w_kept}
+    maxs = {"tis_ratio_max": r_max}
+    if r_kept_max > -torch.inf:
+        maxs["tis_ratio_kept_max"] = r_kept_max
+    return sums, maxs
 
+
+def tis_from_tally(sums: dict[str, float], maxs: dict[str, float], n_resp: float, n_kept: float) -> dict[str, float]:
+    """The logged statistics from `tis_tally`'s sums and maxima over a step (n_resp / n_kept: its token counts):
     tis_weight_mean (kept tokens), tis_ratio_max / tis_ratio_kept_max, tis_capped_frac / tis_capped_kept_frac
-    (fraction of tokens with raw ratio > cap).
-    """
-    all_r = torch.cat([r[m] for r, m, _ in parts]).double()
-    kept_r = torch.cat([r[k] for r, _, k in parts]).double()
-    out = {
-        "tis_ratio_max": float(all_r.max()) if all_r.numel() else 0.0,
-        "tis_capped_frac": float((all_r > cap).double().mean()) if all_r.numel() else 0.0,
-        "tis_ratio_kept_max": float(kept_r.max()) if kept_r.numel() else 0.0,
-        "tis_capped_kept_frac": float((kept_r > cap).double().mean()) if kept_r.numel() else 0.0,
-        "tis_weight_mean": float(kept_r.clamp(max=cap).mean()) if kept_r.numel() else 0.0,
+    (fraction of tokens with raw ratio > cap)."""
+    return {
+        "tis_ratio_max": maxs.get("tis_ratio_max", 0.0),
+        "tis_capped_frac": sums.get("tis_capped", 0.0) / n_resp if n_resp else 0.0,
+        "tis_ratio_kept_max": maxs.get("tis_ratio_kept_max", 0.0),
+        "tis_capped_kept_frac": sums.get("tis_capped_kept", 0.0) / n_kept if n_kept else 0.0,
+        "tis_weight_mean": sums.get("tis_weight_kept", 0.0) / n_kept if n_kept else 0.0,
     }
-    return out
+
+
+def tis_metrics(parts: Sequence[tuple[Tensor, Tensor, Tensor]], cap: float) -> dict[str, float]:
+    """Mismatch statistics over micro-batches: parts = (raw ratio, response mask, kept mask) per micro-batch
+    (`tis_from_tally` of their `tis_tally`s)."""
+    sums: dict[str, float] = {}
+    maxs: dict[str, float] = {}
+    n_resp = n_kept = 0
+    for r, m, k in parts:
+        s, mx = tis_tally(r[m], k[m], cap)
+        for key, v in s.items():
+            sums[key] = sums.get(key, 0.0) + v
+        for key, v in mx.items():
+            maxs[key] = max(maxs.get(key, v), v)
+        n_resp, n_kept = n_resp + int(m.sum()), n_kept + int(k.sum())
+    return tis_from_tally(sums, maxs, n_resp, n_kept)

@@ -157,6 +157,10 @@ class RunConfig(BaseModel):
     """AdamW beta2, in [0, 1)."""
     overlong_cache_len: int = Field(0, ge=0, le=MAX_TOKENS)
     """DAPO soft overlong punishment: length of the penalty ramp (0 = off), at most max_new_tokens (1,048,576)."""
+    max_bad_steps: int = Field(3, ge=0, le=MAX_STEPS)
+    """Fail the run after this many steps in a row whose every update was skipped for a non-finite loss or gradient
+    norm (each skip is logged with the tensor; the last good checkpoint is kept); 0 = never fail, train on; at most
+    10,000,000."""
 
     @field_validator("entropy_top_frac")
     @classmethod

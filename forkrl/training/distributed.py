@@ -3,12 +3,12 @@
     info = init_from_env()                      # torchrun's RANK/WORLD_SIZE/LOCAL_RANK; gloo on CPU, nccl on GPU
     model = shard_model(model, info.device)     # fully_shard per decoder layer + the root
     optimizer = torch.optim.AdamW(model.parameters(), ...)   # after sharding: it holds the local shards
-    metrics = dp_train_step(model, optimizer, batch, adv, loss_cfg, ...)   # forkrl/rl/dp.py
+    metrics = train_step(model, optimizer, batch, adv, loss_cfg, ...)      # forkrl/rl/step.py, on every rank
     save_full_pretrained(model, out_dir, tokenizer)          # rank 0 writes an HF checkpoint
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`): each decoder layer is one FSDP unit (its parameters are
 all-gathered for its forward/backward and resharded after), the root holds the rest (embeddings, final
-norm, lm_head). Gradients are reduce-scattered with divide factor 1 (SUM): `dp_train_step` gives each rank
+norm, lm_head). Gradients are reduce-scattered with divide factor 1 (SUM): `train_step` gives each rank
 its share of the globally normalized loss, so the sum is the 1-rank gradient. On CUDA the default mixed
 precision is bf16 compute with fp32 master weights and fp32 gradient reduction; on CPU everything stays
 fp32. Activation checkpointing (optional) is the HF model's own (non-reentrant), applied before sharding.

@@ -17,6 +17,16 @@ that lost them and samples the step again (same prompts, same seeds); `foreign_b
 that fails anyway first writes a checkpoint of its last trained step, so `--resume` loses nothing but the step in
 progress. The run's id (kept in <run_dir>/run_id; a resume keeps it) holds the rollout lease; it is released at the end.
 
+Guards (nothing silently wrong): a step's update skipped for a non-finite loss or gradient norm is logged as a
+LOG event naming the tensor (forkrl/rl/step.py); after cfg.max_bad_steps consecutive steps with every update
+skipped the run fails, its last good checkpoint kept. Weights are checked finite before every push and
+checkpoint (forkrl/training/policy.py): non-finite weights fail the run with a sentence naming the step, and are
+neither pushed nor saved, also not by the failure's checkpoint.
+
+Stops: StopRun sets `stop_requested`; the sampling reads it before every Generate call, the train step before
+every micro-batch (an update in progress is abandoned; a step with no applied update is not trained). The run
+then writes a checkpoint of its last trained step (unless already saved) and ends STOPPED.
+
 Async (cfg.max_staleness = k >= 1, forkrl/training/pipeline.py): the batches of the next steps are sampled on a
 second thread, at most k steps ahead, while this one trains; each batch is checked against the staleness rule
 (trainer version − the trajectory's version <= k) and dropped if it breaks it. Checkpoints store the data
@@ -40,14 +50,15 @@ from forkrl.data.datasets import load_problems
 from forkrl.data.order import DataOrder
 from forkrl.data.rewards import RewardFn, get_reward_fn
 from forkrl.data.tasks import Problem
+from forkrl.rl.step import StepStopped
 from forkrl.training.config import RunConfig
 from forkrl.training.metrics import MetricsSink
 from forkrl.training.pipeline import AheadCollector, staleness
-from forkrl.training.policy import Policy, load_policy
+from forkrl.training.policy import NonFiniteWeights, Policy, load_policy
 from forkrl.training.ranks import RankLink, UpdatePayload
 from forkrl.training.rollouts import Rollouts
-from forkrl.training.scoring import ScoredBatch, collect_batch, evaluate
-from forkrl.weights.checkpoint import checkpoint_name
+from forkrl.training.scoring import SamplingStopped, ScoredBatch, collect_batch, evaluate
+from forkrl.weights.checkpoint import checkpoint_name, latest_checkpoint
 
 TRAIN_POOL = 20000  # built-in task: size of the train pool the data order walks through
 MAX_RECOVERIES = 5  # per operation (a step's sampling, a push, an evaluation): then the run fails
@@ -59,6 +70,19 @@ class ForeignBatch(Exception):
     """A batch holds trajectories not sampled by the policy version the trainer pushed."""
 
 
+class Diverged(RuntimeError):
+    """The run failed a guard: non-finite weights, or max_bad_steps steps in a row with every update skipped."""
+
+
+def _stopped_by(e: BaseException | None) -> bool:
+    """Whether `e` (or what caused it: the async sampler's error is wrapped) is a stop of the sampling or the step."""
+    while e is not None:
+        if isinstance(e, StepStopped | SamplingStopped):
+            return True
+        e = e.__cause__
+    return False
+
+
 class RunHandle(Protocol):
     """What the loop needs from the run that owns it (trainer_service/runs.py: Run)."""
 
@@ -67,7 +91,7 @@ class RunHandle(Protocol):
     config: RunConfig  # resolved (preflight) config
     start_step: int
     step: int
-    stop_requested: threading.Event  # set: finish the current step, checkpoint, return
+    stop_requested: threading.Event  # set: stop within a micro-batch or a Generate call, checkpoint, return
 
     def emit(self, item: dict[str, Any]) -> None: ...
 
@@ -119,6 +143,10 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
                  trained_cursor_at=policy.data_cursor)
     try:
         _steps(s)
+    except NonFiniteWeights as e:  # never pushed, never saved, also not by save_on_failure
+        if s.pending is not None:
+            s.report(*s.pending)
+        raise Diverged(s.nonfinite_sentence(e)) from e
     except Exception:
         s.save_on_failure()
         raise
@@ -174,8 +202,12 @@ def _steps(s: _Session) -> None:
                 continue
             t0 = time.perf_counter()
             link.tell("update", step, UpdatePayload.of(scored))  # the other ranks train on their shares
-            metrics.update(policy.update(scored, loss_cfg))  # advantages, masked loss, AdamW
+            skipped: list[str] = []
+            metrics.update(policy.update(scored, loss_cfg, stop=run.stop_requested.is_set, skipped=skipped))
             s.trained(step, metrics)
+            s.guard(step, metrics, skipped)  # events for skipped updates; fails after max_bad_steps in a row
+            if metrics.get("stopped"):  # a stop cut the step short after some of its updates: it ends here
+                break
             t_train = time.perf_counter() - t0
             if policy.device.type == "cuda":  # rank 0's peak since the process started (scripts/gpu_check.sh)
                 import torch
@@ -195,15 +227,17 @@ def _steps(s: _Session) -> None:
                 s.checkpoint(step, checkpoint_name(step))
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_steps:
                 s.evaluate(step)
-        if run.stop_requested.is_set() and step < cfg.num_steps:
-            if not (cfg.save_every and step % cfg.save_every == 0):
-                s.checkpoint(step, checkpoint_name(step))
-        else:
-            s.checkpoint(step, "final")
-            s.evaluate(step)
+    except Exception as e:
+        if not _stopped_by(e):
+            raise
     finally:
         if ahead is not None:
             ahead.close(timeout_s=600)
+    if run.stop_requested.is_set() and (s.trained_step < cfg.num_steps or s.pending is not None):
+        s.end_stopped()
+    else:
+        s.checkpoint(step, "final")
+        s.evaluate(step)
 
 
 @dataclass
@@ -229,6 +263,7 @@ class _Session:
     trained_cursor_at: int = 0  # the data cursor of that step's batch
     saved_step: int = 0  # the step of the last checkpoint written
     pending: tuple[int, dict[str, float]] | None = None  # a trained step whose metrics are not written yet
+    bad_steps: int = 0  # consecutive steps whose every update was skipped (non-finite loss or gradients)
 
     @property
     def trained_cursor(self) -> int:
@@ -237,7 +272,8 @@ class _Session:
 
     def collect_ahead(self, step: int) -> tuple[ScoredBatch, int]:
         """The sampler thread's job for `step` (async): its batch and the data cursor after it."""
-        scored = collect_batch(self.rollouts, self.data, self.reward_fn, self.cfg, step)
+        scored = collect_batch(self.rollouts, self.data, self.reward_fn, self.cfg, step,
+                               stop=self.run.stop_requested.is_set)
         return scored, self.data.cursor
 
     def check_staleness(self, scored: ScoredBatch, step: int) -> dict[str, float]:
@@ -259,7 +295,8 @@ class _Session:
         cursor is put back on any failure, so the step is sampled again from the same prompts."""
         cursor = self.data.cursor
         try:
-            scored = collect_batch(self.rollouts, self.data, self.reward_fn, self.cfg, step)  # + dynamic sampling
+            scored = collect_batch(self.rollouts, self.data, self.reward_fn, self.cfg, step,  # + dynamic sampling
+                                   stop=self.run.stop_requested.is_set)
             foreign = sum(t.policy_version != self.version for t in scored.trajectories)
             if foreign:
                 self.foreign_batches += 1
@@ -327,6 +364,47 @@ class _Session:
     def trained(self, step: int, metrics: dict[str, float]) -> None:
         self.trained_step, self.trained_cursor_at, self.pending = step, self.trained_cursor, (step, metrics)
 
+    def guard(self, step: int, metrics: dict[str, float], skipped: list[str]) -> None:
+        """A LOG event per skipped update; after cfg.max_bad_steps consecutive steps whose every update was skipped,
+        the run fails (Diverged) with the last trained step saved: its weights are the last good ones."""
+        for why in skipped:
+            self.run.event("LOG", f"step {step}: an update was skipped, no optimizer step: {why}", step=step)
+        every = metrics.get("n_updates", 1.0) == 0 and metrics.get("skipped_updates", 0.0) > 0
+        self.bad_steps = self.bad_steps + 1 if every else 0
+        k = self.cfg.max_bad_steps
+        if not (k and self.bad_steps >= k):
+            return
+        self.report(step, metrics)
+        self.pending = None
+        if self.trained_step > self.saved_step:
+            self.checkpoint(self.trained_step, checkpoint_name(self.trained_step), self.trained_cursor_at)
+        raise Diverged(f"{k} steps in a row ({step - k + 1} to {step}) skipped every update for a non-finite loss "
+                       f"or gradient norm (the last: {skipped[-1] if skipped else '?'}); the weights are those "
+                       f"after step {step - k}, and the last good checkpoint is {self.last_good()}")
+
+    def last_good(self) -> str:
+        ckpt = latest_checkpoint(self.run.run_dir)
+        return str(ckpt) if ckpt is not None else f"none (the run started from {self.cfg.model or 'its model'})"
+
+    def nonfinite_sentence(self, e: NonFiniteWeights) -> str:
+        if self.trained_step == self.policy.start_step:  # no update yet: the weights were loaded that way
+            return (f"the initial weights hold an inf or a NaN ({e.name}); they were not pushed or trained on; "
+                    f"the last good checkpoint is {self.last_good()}")
+        lr = self.policy.optimizer.param_groups[0]["lr"]
+        wd = self.policy.optimizer.param_groups[0].get("weight_decay", 0.0)
+        return (f"the weights became non-finite in the update of step {self.trained_step} (lr {lr:g}, weight decay "
+                f"{wd:g}): {e.name} holds an inf or a NaN; they were not pushed or saved; the last good "
+                f"checkpoint is {self.last_good()}")
+
+    def end_stopped(self) -> None:
+        """A stop: write the metrics of a step cut short, and a checkpoint of the last trained step unless it is
+        saved (a new run stopped before its first update saves its step 0)."""
+        if self.pending is not None:
+            self.report(*self.pending)
+            self.pending = None
+        if self.trained_step > self.saved_step or (self.trained_step == 0 and not self.policy.resumed):
+            self.checkpoint(self.trained_step, checkpoint_name(self.trained_step), self.trained_cursor_at)
+
     def save_on_failure(self) -> None:
         """The run is failing: write its last trained step's metrics and a checkpoint of it, unless saved."""
         if self.trained_step <= self.saved_step:
@@ -357,13 +435,17 @@ class _Session:
         self.run.emit({"type": "metrics", "step": step, "values": metrics})
 
     def evaluate(self, step: int) -> None:
+        """Evaluate (nothing when there are no eval prompts, or when a stop comes before a Generate call)."""
         if not self.eval_problems:
             return
         t0 = time.perf_counter()
         per_prompt: dict[str, list[float]] = {}
-        res = self.resilient(f"the evaluation at step {step}",
-                             lambda: evaluate(self.rollouts, self.reward_fn, self.eval_problems, self.cfg,
-                                              per_prompt=per_prompt))
+        try:
+            res = self.resilient(f"the evaluation at step {step}",
+                                 lambda: evaluate(self.rollouts, self.reward_fn, self.eval_problems, self.cfg,
+                                                  per_prompt=per_prompt, stop=self.run.stop_requested.is_set))
+        except SamplingStopped:
+            return
         res["time_eval_s"] = time.perf_counter() - t0
         self.sink.write(step, res, kind="eval")
         self.sink.write_eval_prompts(step, per_prompt)

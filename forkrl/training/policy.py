@@ -3,9 +3,14 @@ update of one step (advantages → batch → masked loss over micro-batches → 
 
     policy = load_policy(cfg, run_dir, device="auto")   # from cfg.model, or the latest checkpoint on resume
     policy.set_lr(step)
-    metrics = policy.update(scored, cfg.loss_config())   # one optimizer step on a ScoredBatch (+ kept-token
-                                                          # shares by answer-token class on a built-in task)
-    policy.save(run_dir, "step_000010", {"step": 10, ...})
+    metrics = policy.update(scored, cfg.loss_config(), stop=event.is_set, skipped=reasons)   # the step's updates
+                                              # (+ kept-token shares by answer-token class on a built-in task)
+    policy.save(run_dir, "step_000010", {"step": 10, ...})   # refuses non-finite weights, as full_state()
+
+Guards: `full_state()` (what a push sends) and `save()` first check that every weight is finite (one fused
+max-|w| per tensor on each rank's shards, reduced over the ranks) and raise NonFiniteWeights otherwise, on every
+rank: non-finite weights are never pushed or saved. The update's own guards (a non-finite loss or gradient norm
+skips the update, a stop abandons it) are the train step's (forkrl/rl/step.py).
 
 Determinism: torch is seeded with run_seed("torch", seed) before the model is loaded, and a resume restores
 the optimizer state, so a resumed run ends with the same weights as an uninterrupted one (on CPU; with
@@ -14,6 +19,7 @@ the same number of ranks — on another number the steps after the resume differ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +29,9 @@ import torch.distributed as dist
 
 from forkrl.data.tasks import TASKS, token_classes
 from forkrl.rl.advantages import compute_advantages
-from forkrl.rl.dp import dp_train_step
+from forkrl.rl.collectives import first_nonfinite
 from forkrl.rl.losses import LossConfig
-from forkrl.rl.step import build_batch
+from forkrl.rl.step import build_batch, train_step
 from forkrl.seeds import run_seed
 from forkrl.training.config import RunConfig
 from forkrl.training.distributed import full_state_dict, shard_model
@@ -33,6 +39,14 @@ from forkrl.training.metrics import class_breakdown
 from forkrl.training.scoring import ScoredBatch
 from forkrl.weights.checkpoint import latest_checkpoint, read_state, save_checkpoint
 from forkrl.weights.sharded import load_optimizer_any, save_sharded_checkpoint
+
+
+class NonFiniteWeights(RuntimeError):
+    """The policy's weights hold an inf or a NaN (`name`: the first such parameter): never pushed or saved."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{name} holds an inf or a NaN")
+        self.name = name
 
 
 def pick_device(name: str) -> torch.device:
@@ -69,10 +83,14 @@ class Policy:
             g["lr"] = lr
         return lr
 
-    def update(self, scored: ScoredBatch, loss_cfg: LossConfig) -> dict[str, float]:
+    def update(self, scored: ScoredBatch, loss_cfg: LossConfig, *, stop: Callable[[], bool] | None = None,
+               skipped: list[str] | None = None) -> dict[str, float]:
         """The optimizer updates of one step on the scored groups (one per mini-batch of cfg.mini_batch_prompts
         groups, cfg.ppo_epochs passes); returns the step's loss/mask/entropy/ratio metrics, and on a built-in
-        task the kept and all-token shares per answer-token class (forkrl/training/metrics.py)."""
+        task the kept and all-token shares per answer-token class (forkrl/training/metrics.py). Sharded: every
+        rank calls it with the same batch (forkrl/training/ranks.py). `stop` (rank 0's) and `skipped` (a
+        sentence per update skipped for a non-finite loss or gradient): forkrl/rl/step.py's guards; raises
+        StepStopped when the stop came before any update was applied."""
         cfg = self.cfg
         adv = compute_advantages(cfg.loss, scored.rewards).reshape(-1)
         flat = scored.trajectories
@@ -80,14 +98,14 @@ class Policy:
                             [list(t.logprobs) for t in flat], self.pad_id)
         spec = TASKS.get(cfg.task) if cfg.task and not cfg.dataset else None
         kept: list[torch.Tensor] | None = [] if spec is not None and spec.classes else None
-        mini = cfg.mini_batch_prompts * len(scored.groups[0]) if cfg.mini_batch_prompts else None
-        # one process (today's trainer): dp_train_step is train_step itself; under torch.distributed every
-        # rank passes the whole batch and trains its share (forkrl/rl/dp.py, docs/scaling.md)
-        metrics = dp_train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
-                                micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                                ref_model=self.ref_model, mini_batch_size=mini, epochs=cfg.ppo_epochs,
-                                kept_out=kept)
-        if spec is not None and kept is not None and len(kept) == len(flat):
+        mini = cfg.mini_batch_prompts * scored.rewards.shape[1] if cfg.mini_batch_prompts else None  # x G samples
+        # under torch.distributed every rank passes the whole batch and trains its share (docs/scaling.md)
+        metrics = train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
+                             micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                             ref_model=self.ref_model, mini_batch_size=mini, epochs=cfg.ppo_epochs, kept_out=kept,
+                             skipped_out=skipped, stop=stop)
+        # every rank gathers the kept flags (a collective); rank 0 alone has the problems to label them with
+        if spec is not None and kept is not None and len(kept) == len(flat) and hasattr(scored, "problems"):
             problems = [p for p, g in zip(scored.problems, scored.groups, strict=True) for _ in g]
             labels = [token_classes(p, [self.token_text(i) for i in t.completion_token_ids])
                       for p, t in zip(problems, flat, strict=True)]
@@ -102,8 +120,17 @@ class Policy:
             self.token_texts[token_id] = None if eos else self.tokenizer.decode([token_id])
         return self.token_texts[token_id]
 
+    def check_finite(self) -> None:
+        """Raise NonFiniteWeights naming the first parameter that holds an inf or a NaN. Sharded: a collective
+        (every rank checks its shards and gets the same answer)."""
+        name = first_nonfinite(list(self.model.named_parameters()), self.device)
+        if name is not None:
+            raise NonFiniteWeights(name)
+
     def full_state(self) -> dict[str, torch.Tensor]:
-        """The full fp32 weights; sharded: gathered (every rank must call), on rank 0 only ({} elsewhere)."""
+        """The full fp32 weights, checked finite first (NonFiniteWeights); sharded: gathered (every rank must
+        call), on rank 0 only ({} elsewhere)."""
+        self.check_finite()
         if self.world_size > 1:
             return full_state_dict(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
@@ -111,7 +138,9 @@ class Policy:
     def save(self, run_dir: Path, name: str, state: dict[str, Any] | None) -> Path | None:
         """Write the checkpoint `name`; returns its path (None on ranks > 0). Sharded: every rank calls it (rank
         0's `state` is written): the gathered weights as HF files and the AdamW state sharded with
-        torch.distributed.checkpoint (forkrl/weights/sharded.py). One rank: forkrl/weights/checkpoint.py."""
+        torch.distributed.checkpoint (forkrl/weights/sharded.py). One rank: forkrl/weights/checkpoint.py.
+        Non-finite weights are never saved: NonFiniteWeights, and nothing is written."""
+        self.check_finite()
         if self.world_size > 1:
             return save_sharded_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state)
         return save_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state or {})

@@ -11,11 +11,16 @@ needs every rank, just before doing it itself:
 | command | rank 0 then | every other rank |
 |---|---|---|
 | `start` (config, run dir) | `load_policy` | `load_policy`: the same model, sharded (FSDP2) over all ranks |
-| `update` (step, rewards and token ids) | `Policy.set_lr`, `Policy.update` | the same: `dp_train_step` on its share |
-| `state` | `Policy.full_state()` for the push | `Policy.full_state()` (the gather) |
+| `update` (step, rewards and token ids) | `Policy.set_lr`, `Policy.update` | the same: `train_step` on its share |
+| `state` | `Policy.full_state()` for the push | `Policy.full_state()` (the finite check, the gather) |
 | `checkpoint` (run dir, name) | `Policy.save`: HF files + its AdamW shards | the same (DCP, its shards) |
 | `end` | the run is over (any outcome) | drops the policy |
 | `exit` | the service stops | returns |
+
+Inside those commands the ranks decide together: a stop (rank 0's flag, MAX-reduced before every micro-batch),
+a skipped update (a non-finite loss or gradient norm on any rank) and non-finite weights (before a push or a
+checkpoint) are reduced over the ranks, so every rank stops, skips or refuses at the same point and a follower
+carries on with the next command (forkrl/rl/step.py, forkrl/training/policy.py).
 
 Rank 0 alone talks to the rollout services and the clients, scores, writes metrics and checkpoints. The
 other ranks never see gRPC. A failure on one rank inside a collective leaves the others waiting until the
@@ -34,7 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from forkrl.rl.dp import dp_rank_world
+from forkrl.rl.collectives import rank_world
+from forkrl.rl.step import StepStopped
 
 __all__ = ["TIMEOUT", "RankLink", "UpdatePayload", "follow", "init_ranks"]
 
@@ -70,7 +76,7 @@ class RankLink:
     """Rank 0's side of the lockstep; with one process every `tell` is a no-op."""
 
     def __init__(self) -> None:
-        self.rank, self.world_size = dp_rank_world()
+        self.rank, self.world_size = rank_world()
 
     @property
     def active(self) -> bool:
@@ -105,7 +111,7 @@ def _receive() -> tuple[str, tuple]:
 def follow(device: str = "auto") -> None:
     """Ranks > 0: do what rank 0 says until it says "exit". SIGTERM is ignored: torchrun sends it to every
     rank at once, and rank 0 still needs the others for its final checkpoint before it says "exit"."""
-    from forkrl.training.policy import load_policy
+    from forkrl.training.policy import NonFiniteWeights, load_policy
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -125,14 +131,20 @@ def follow(device: str = "auto") -> None:
             assert policy is not None, "update before start"
             step, payload = args
             policy.set_lr(step)
-            policy.update(payload, policy.cfg.loss_config())
-        elif op == "state":
-            assert policy is not None, "state before start"
-            policy.full_state()
-        elif op == "checkpoint":
-            assert policy is not None, "checkpoint before start"
-            run_dir, name = args
-            policy.save(Path(run_dir), name, None)
+            try:
+                policy.update(payload, policy.cfg.loss_config())
+            except StepStopped:  # rank 0's stop reached every rank at the same micro-batch
+                log.info("rank %d: step %d stopped before any update", rank, step)
+        elif op in ("state", "checkpoint"):
+            assert policy is not None, f"{op} before start"
+            try:
+                if op == "state":
+                    policy.full_state()
+                else:
+                    run_dir, name = args
+                    policy.save(Path(run_dir), name, None)
+            except NonFiniteWeights as e:  # every rank found it (a reduced check): rank 0 fails the run
+                log.error("rank %d: %s: not %s", rank, e, "gathered" if op == "state" else "saved")
         elif op == "end":
             policy = None
         elif op == "exit":

@@ -5,6 +5,9 @@ the accuracy evaluation.
     metrics = scored.metrics()                                      # reward/accuracy/lengths of the step
     evaluate(rollouts, reward_fn, eval_problems, cfg)               # {"eval_accuracy", "eval_greedy_accuracy"}
 
+Both take `stop` (the run's stop flag): it is read before every Generate call (each dynamic-sampling round, each
+half of an evaluation) and SamplingStopped is raised when set, so a stop waits for one Generate call at most.
+
 Seeds: round r of step s samples with run_seed("gen", seed, s, r), every evaluation with run_seed("eval", seed)
 (forkrl/seeds.py, frozen formats), so resumed runs see the same trajectories as uninterrupted ones.
 """
@@ -12,6 +15,7 @@ Seeds: round r of step s samples with run_seed("gen", seed, s, r), every evaluat
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -26,6 +30,15 @@ from forkrl.seeds import run_seed
 from forkrl.training.config import RunConfig
 from forkrl.training.rollouts import Rollouts
 from forkrl.wire.rollout.v1.rollout_pb2 import FINISH_REASON_LENGTH
+
+
+class SamplingStopped(Exception):
+    """A stop was requested: no further Generate call was made."""
+
+
+def _check_stop(stop: Callable[[], bool] | None, what: str) -> None:
+    if stop is not None and stop():
+        raise SamplingStopped(f"stopped before {what}")
 
 
 @dataclass
@@ -89,7 +102,8 @@ def score(reward_fn: RewardFn, groups: list[list[Any]], problems: list[Problem],
     return correctness, correctness + soft_overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_cache_len)
 
 
-def collect_batch(rollouts: Rollouts, data: DataOrder, reward_fn: RewardFn, cfg: RunConfig, step: int) -> ScoredBatch:
+def collect_batch(rollouts: Rollouts, data: DataOrder, reward_fn: RewardFn, cfg: RunConfig, step: int,
+                  stop: Callable[[], bool] | None = None) -> ScoredBatch:
     """Sample and score cfg.prompts_per_step groups. With dynamic sampling (DAPO §3.3) only groups of mixed
     correctness (0 < #correct < G, decided on the reward function's grades *before* the overlong penalty, which
     would make an all-correct group of different lengths look mixed) are kept and the batch is refilled from
@@ -101,6 +115,7 @@ def collect_batch(rollouts: Rollouts, data: DataOrder, reward_fn: RewardFn, cfg:
     t_score = 0.0
     rounds, seen_groups, mixed_groups = 0, 0, 0
     while True:
+        _check_stop(stop, f"generation round {rounds + 1} of step {step}")
         batch_probs = data.take(cfg.prompts_per_step)
         g = rollouts.generate([p.prompt for p in batch_probs], n=cfg.group_size, temperature=cfg.temperature,
                               max_new_tokens=cfg.max_new_tokens, seed=run_seed("gen", cfg.seed, step, rounds))
@@ -128,7 +143,8 @@ def collect_batch(rollouts: Rollouts, data: DataOrder, reward_fn: RewardFn, cfg:
 
 
 def evaluate(rollouts: Rollouts, reward_fn: RewardFn, problems: list[Problem], cfg: RunConfig,
-             samples: int = 4, per_prompt: dict[str, list[float]] | None = None) -> dict[str, float]:
+             samples: int = 4, per_prompt: dict[str, list[float]] | None = None,
+             stop: Callable[[], bool] | None = None) -> dict[str, float]:
     """Accuracy on eval prompts through the rollout service: sampled at T (n=samples) and greedy. With
     `per_prompt` (a dict), also fills per_prompt[name] with each prompt's accuracy (fraction of its samples
     correct, in `problems` order): what a paired bootstrap over prompts needs (forkrl/training/curves.py)."""
@@ -137,6 +153,7 @@ def evaluate(rollouts: Rollouts, reward_fn: RewardFn, problems: list[Problem], c
     prompts = [p.prompt for p in problems]
     out = {}
     for name, temp, n in (("eval_accuracy", cfg.temperature, samples), ("eval_greedy_accuracy", 0.0, 1)):
+        _check_stop(stop, f"the evaluation's {name}")
         groups = rollouts.generate(prompts, n=n, temperature=temp, max_new_tokens=cfg.max_new_tokens,
                                    seed=run_seed("eval", cfg.seed))
         flat = [t for g in groups for t in g]

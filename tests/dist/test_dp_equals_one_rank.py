@@ -1,11 +1,14 @@
-"""2 ranks (torchrun, gloo, CPU) train one step that equals 1 rank: loss, metrics and updated weights.
+"""2 ranks (torchrun, gloo, CPU) train one step that equals 1 rank: loss, metrics, kept tokens and updated weights;
+and the guards decide the same on every rank.
 
-tests/dist/dp_worker.py runs on 2 ranks; per case it compares `dp_train_step` (a replicated model with a
-SUM all_reduce, and an FSDP2 model, `fully_shard` per decoder layer) with `train_step` on one process, on
-the same random-init Qwen2 model and the same batch. Cases: token_mean with no mask, the step-scope and the
-micro-batch-scope top-k (rho 0.2), the same with every entropy tied (lm_head zero: the kept set is decided
-by the tie order alone), a rank with an empty share of a micro-batch (Dr. GRPO's constant denominator),
-and AdamW.
+tests/dist/dp_worker.py runs on 2 ranks; per case it compares `train_step` over both ranks (a replicated model
+with a SUM all_reduce, and an FSDP2 model, `fully_shard` per decoder layer) with `train_step` over a group of
+one rank, on the same random-init Qwen2 model and the same batch. Cases: token_mean with no mask, the
+step-scope and the micro-batch-scope top-k (rho 0.2), the same with every entropy tied (lm_head zero: the kept
+set is decided by the tie order alone), a rank with an empty share of a micro-batch (Dr. GRPO's constant
+denominator), AdamW, and the recipe's mechanics: 2 mini-batches of whole groups x 2 epochs (4 updates, pi_old
+from the no-grad pass), rho 0.2, TIS, dual clip, with SGD steps large enough that both clips act (micro-batch
+scope; step scope with the KL term; AdamW with a rank holding an empty share).
 
 Tolerance, from the arithmetic: 2 ranks do the same float32 operations as 1 rank on the same numbers, but
 sum the per-rank gradient and metric shares in another order and run each forward on a different set of
@@ -16,11 +19,27 @@ gradient averaged instead of summed changes the values by O(0.1) or more. Counts
 micro-batches) must be equal exactly. SGD with lr 1 and a gradient clip of 1 makes the weight update the
 clipped gradient itself, so the weight check is a gradient check at |g| <= 1; the first AdamW step moves
 each weight by lr * g / (|g| + eps_adam) <= lr, so there 2 ranks and 1 rank differ by at most 2 lr.
+
+Several updates (u of them): each update is the one-update arithmetic above, at weights that differ between the
+runs by what the earlier updates' rounding left. SGD with lr eta and the clip at 1 moves each weight by eta g,
+|g_i| <= 1, and g differs by at most REL between the runs, so after u updates the weights differ by at most
+u eta REL max(1, |w|) (to first order: the change of g caused by weights that differ by eta REL is of the same
+order, times eta); a metric, a smooth function of weights and tokens, differs by at most REL per update:
+u REL max(1, |v|). AdamW moves each weight by at most lr U_t at update t (U_t: the Adam bound of
+tests/dist/test_resume_across_ranks.py), so 2 ranks and 1 rank differ by at most 2 lr sum_t U_t.
+The kept tokens (`kept_out`) and every count must be equal exactly.
+
+Guards, each rank's own answer: an inf gradient injected on rank 1 only skips every update on both ranks with
+the same sentence and no optimizer state; rank 0's stop (the other rank has none) stops both ranks at the same
+check point as one rank with the same stop (before any update: StepStopped everywhere; after 2 updates: both
+return those 2, `stopped`), with the weights of one rank within the bound above; an inf in rank 1's shard of a
+weight is named on both ranks.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,10 +48,10 @@ from pathlib import Path
 import pytest
 import torch
 
-
 REPO = Path(__file__).resolve().parents[2]
 REL = 1e-5
-EXACT = ("kept_tokens", "response_tokens", "micro_batches")
+EXACT = ("kept_tokens", "response_tokens", "micro_batches", "n_updates", "skipped_updates")
+B1, B2 = 0.9, 0.999  # torch's AdamW defaults (the worker's optimizer)
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +69,19 @@ def two_rank_result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Pat
 
 
 CASE_NAMES = ["token_mean", "step_top0.2", "micro_top0.2", "step_top0.2_ties", "micro_top0.3_ties",
-              "dr_grpo_empty_share", "seq_mean_adamw"]
+              "dr_grpo_empty_share", "seq_mean_adamw", "recipe", "recipe_step_kl", "recipe_adamw_empty_share"]
+
+
+def _adam_bound(t: int) -> float:
+    """U_t >= |m_hat / (sqrt(v_hat) + eps)| after t AdamW steps, any gradients (Cauchy-Schwarz)."""
+    s = sum(((1 - B1) * B1**k) ** 2 / ((1 - B2) * B2**k) for k in range(t))
+    return math.sqrt(s) * math.sqrt(1 - B2**t) / (1 - B1**t)
+
+
+def _weight_bound(lrs: dict, case: str, updates: int, scale: float) -> float:
+    if "adamw" in case:
+        return 2 * lrs["adamw"] * sum(_adam_bound(t) for t in range(1, updates + 1))
+    return updates * lrs["sgd_recipe" if "recipe" in case else "sgd"] * REL * max(1.0, scale)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -60,15 +91,62 @@ def test_two_ranks_equal_one_rank(two_rank_result: tuple[dict, Path], case: str,
     assert res["world_size"] == 2
     c = res["cases"][case]
     ref, got = c["ref"], c[mode]
+    u = int(ref["n_updates"])
     for k, v in ref.items():
         if k in EXACT:
             assert got["metrics"][k] == v, k
         else:
-            assert got["metric_delta"][k] <= REL * max(1.0, abs(v)), (k, got["metric_delta"][k], v)
-    lr = res["lr"]["adamw" if "adamw" in case else "sgd"]
-    bound = 2 * lr if "adamw" in case else REL * max(1.0, got["weight_scale"])
+            assert got["metric_delta"][k] <= u * REL * max(1.0, abs(v)), (k, got["metric_delta"][k], v)
+    bound = _weight_bound(res["lr"], case, u, got["weight_scale"])
     assert got["weight_delta"] <= bound, (got["weight_delta"], bound)
+    assert got["kept_equal"]  # the breakdown's kept flags: the same tokens of the same sequences
     assert ref["kept_tokens"] < ref["response_tokens"] or case == "token_mean"  # the mask was on
+    assert ref["skipped_updates"] == 0
+
+
+def test_the_recipe_runs_every_mechanism_on_two_ranks(two_rank_result: tuple[dict, Path]) -> None:
+    cases = two_rank_result[0]["cases"]
+    for name in ("recipe", "recipe_step_kl", "recipe_adamw_empty_share"):
+        ref = cases[name]["ref"]
+        assert ref["n_updates"] == 4 and ref["micro_batches"] == (4 if name != "recipe_adamw_empty_share" else 5)
+        assert ref["tis_capped_frac"] > 0  # some engine log-probs are far from the trainer's: truncated
+    for name in ("recipe", "recipe_step_kl"):  # pi_old from before the first update: the later ratios move
+        ref = cases[name]["ref"]
+        assert ref["clip_frac_low"] > 0 and ref["clip_frac_high"] > 0 and ref["approx_kl"] > 0
+    assert cases["recipe"]["ref"]["dual_clip_frac"] > 0
+    assert cases["recipe_step_kl"]["ref"]["kl_mean"] > 0
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_an_inf_gradient_on_one_rank_skips_the_update_on_every_rank(two_rank_result: tuple[dict, Path],
+                                                                    mode: str) -> None:
+    ranks = [r[mode]["inf_grad"] for r in two_rank_result[0]["guards"]["per_rank"]]
+    for r in ranks:
+        assert (r["metrics"]["n_updates"], r["metrics"]["skipped_updates"]) == (0.0, 4.0)
+        assert r["optimizer_state"] == 0 and r["unchanged"]  # no AdamW step, the weights as before
+        assert len(r["reasons"]) == 4 and r["reasons"][0].startswith("the gradient of model.")
+    assert ranks[0]["reasons"] == ranks[1]["reasons"]  # the same tensor named on both ranks
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("at", [6, 12])
+def test_rank_0s_stop_stops_every_rank_where_one_rank_stops(two_rank_result: tuple[dict, Path], mode: str,
+                                                             at: int) -> None:
+    res = two_rank_result[0]
+    ranks = [r[mode][f"stop_{at}"] for r in res["guards"]["per_rank"]]
+    ref = ranks[0]["ref"]
+    for r in ranks:
+        assert r["stopped_before_any_update"] == ref["stopped_before_any_update"] == (at == 6)
+    if at == 12:  # two updates applied, then stopped before the third: both ranks return them
+        for r in ranks:
+            assert r["metrics"]["stopped"] == 1.0 and r["metrics"]["n_updates"] == ref["metrics"]["n_updates"] == 2
+        assert ranks[0]["metrics"]["kept_tokens"] == ref["metrics"]["kept_tokens"]
+    assert ranks[0]["weight_delta"] <= _weight_bound(res["lr"], "recipe", 2, 2.0)  # as one rank stopped there
+
+
+def test_an_inf_in_one_ranks_shard_is_named_on_every_rank(two_rank_result: tuple[dict, Path]) -> None:
+    for r in two_rank_result[0]["guards"]["per_rank"]:
+        assert r["fsdp"]["inf_weight"]["found"] == r["fsdp"]["inf_weight"]["expected"]
 
 
 def test_the_masks_keep_what_one_rank_keeps(two_rank_result: tuple[dict, Path]) -> None:

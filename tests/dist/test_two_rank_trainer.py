@@ -1,6 +1,9 @@
 """The trainer service on 2 ranks (torchrun, gloo, FSDP2) runs a 3-step masked run through
 clients/start_run.py, its first step equals a 1-rank trainer's on the same samples, and `--resume` continues
-it on the same 2 ranks from its sharded checkpoint (step 4).
+it on the same 2 ranks from its sharded checkpoint (step 4). Then the recipe's mechanics through the same
+client: 3 steps with `--mini-batch-prompts 4 --ppo-epochs 2` (4 updates a step, pi_old from before the first),
+TIS and the dual clip, whose first step again equals the 1-rank trainer's (within the per-update bound of
+tests/dist/test_dp_equals_one_rank.py: u REL for u updates).
 
 Both trainers train the embedded tiny model against one real rollout service. Rank 0 serves gRPC, talks to
 the rollout service and writes metrics and checkpoints; rank 1 follows its commands
@@ -35,13 +38,18 @@ def _run(address: str, rollout: str, model: Path, run_dir: Path, *extra: str) ->
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
 
 
+RECIPE = ("--mini-batch-prompts", "4", "--ppo-epochs", "2", "--loss", "dapo", "--tis-cap", "2", "--dual-clip-c", "2")
+
+
 def test_a_two_rank_trainer_runs_and_its_first_step_equals_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
     ceiling = trainer_rollout_logp_ceiling(tiny_model_dir)
     with start_rollout_service(tiny_model_dir, seed=0, staging_dir=tmp_path / "staging",
                                log_path=tmp_path / "rollout.log") as rollout:
         with start_trainer_service(tmp_path / "runs1", log_path=tmp_path / "trainer1.log") as one:
             p1 = _run(one, rollout, tiny_model_dir, tmp_path / "runs1" / "one")
+            r1 = _run(one, rollout, tiny_model_dir, tmp_path / "runs1" / "recipe", *RECIPE)
         assert p1.returncode == 0, p1.stderr[-3000:]
+        assert r1.returncode == 0, r1.stderr[-3000:]
         with start_trainer_service(tmp_path / "runs2", log_path=tmp_path / "trainer2.log", ranks=2) as two:
             p2 = _run(two, rollout, tiny_model_dir, tmp_path / "runs2" / "two")
             assert p2.returncode == 0, p2.stderr[-3000:] + (tmp_path / "trainer2.log").read_text()[-4000:]
@@ -49,7 +57,10 @@ def test_a_two_rank_trainer_runs_and_its_first_step_equals_one_rank(tiny_model_d
             # --resume on the same 2 ranks: every rank reads its AdamW shards back (DCP) and trains step 4
             p3 = _run(two, rollout, tiny_model_dir, tmp_path / "runs2" / "two", "--resume", "--num-steps", "4")
             assert p3.returncode == 0, p3.stderr[-3000:] + (tmp_path / "trainer2.log").read_text()[-4000:]
-    assert "succeeded" in p2.stdout and "succeeded" in p3.stdout
+            r2 = _run(two, rollout, tiny_model_dir, tmp_path / "runs2" / "recipe", *RECIPE)
+            assert r2.returncode == 0, r2.stderr[-3000:] + (tmp_path / "trainer2.log").read_text()[-4000:]
+    assert "succeeded" in p2.stdout and "succeeded" in p3.stdout and "succeeded" in r2.stdout
+    _check_the_recipe_run(tmp_path / "runs1" / "recipe", tmp_path / "runs2" / "recipe", ceiling)
     assert "rank 1: run started" in (tmp_path / "trainer2.log").read_text()  # rank 1 followed rank 0
 
     lines1, lines2 = metric_lines(tmp_path / "runs1" / "one"), metric_lines(tmp_path / "runs2" / "two")
@@ -79,3 +90,21 @@ def test_a_two_rank_trainer_runs_and_its_first_step_equals_one_rank(tiny_model_d
 
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _check_the_recipe_run(one: Path, two: Path, ceiling: float) -> None:
+    lines1, lines2 = metric_lines(one), metric_lines(two)
+    assert [m["step"] for m in lines2] == [1, 2, 3]
+    for m in lines2:
+        # 2 mini-batches of 4 prompts x 4 samples (one micro-batch of 16 each), 2 epochs: 4 updates, each
+        # micro-batch keeping ceil(N_j / 5) over both ranks, every token counted once per epoch
+        n = int(m["response_tokens"])
+        assert (m["n_updates"], m["skipped_updates"], m["micro_batches"]) == (4, 0, 2)
+        assert 2 * max(1, -(-n // 2 // 5)) <= m["kept_tokens"] <= 2 * (-(-n // 2 // 5) + 1)
+        assert m["logp_delta_max"] <= ceiling and "tis_weight_mean" in m and "dual_clip_frac" in m
+    a, b = lines1[0], lines2[0]
+    assert (a["response_tokens"], a["kept_tokens"]) == (b["response_tokens"], b["kept_tokens"])
+    for k in (*STEP_KEYS, "approx_kl", "ratio_max", "tis_weight_mean"):
+        assert abs(a[k] - b[k]) <= 4 * REL * max(1.0, abs(a[k])), (k, a[k], b[k])
+    final = two / "checkpoints" / "final"
+    assert read_state(final)["step"] == 3 and read_state(final)["world_size"] == 2

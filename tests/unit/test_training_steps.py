@@ -229,3 +229,40 @@ def test_evaluate_per_prompt_accuracies_average_to_the_totals() -> None:
     assert rollouts.calls == [(3, run_seed("eval", 5)), (3, run_seed("eval", 5))]
     assert evaluate(ScriptedRollouts(lambda c, i, j: True), exact_match, problems, _cfg()) == {
         "eval_accuracy": 1.0, "eval_greedy_accuracy": 1.0}  # without per_prompt: the totals only
+
+
+class StoppingRollouts(ScriptedRollouts):
+    """ScriptedRollouts that sets the run's stop flag during its call number `at` (a StopRun mid-Generate)."""
+
+    def __init__(self, right, at: int) -> None:
+        super().__init__(right)
+        self.at, self.stop = at, False
+
+    def generate(self, prompts, n, temperature, max_new_tokens, seed):
+        if len(self.calls) == self.at:
+            self.stop = True
+        return super().generate(prompts, n, temperature, max_new_tokens, seed)
+
+
+def test_a_stop_ends_dynamic_sampling_before_its_next_generate_call(data: DataOrder) -> None:
+    from forkrl.training.scoring import SamplingStopped
+
+    rollouts = StoppingRollouts(lambda c, i, j: False, at=1)  # never a mixed group: it would draw 5 rounds
+    with pytest.raises(SamplingStopped, match="round 3 of step 4"):
+        collect_batch(rollouts, data, exact_match, _cfg(dynamic_sampling=True, max_gen_batches=5), step=4,
+                      stop=lambda: rollouts.stop)
+    assert len(rollouts.calls) == 2  # the call in flight finished; none after it
+    stopped = StoppingRollouts(lambda c, i, j: False, at=0)
+    stopped.stop = True
+    with pytest.raises(SamplingStopped, match="round 1"):
+        collect_batch(stopped, data, exact_match, _cfg(), step=5, stop=lambda: stopped.stop)
+    assert stopped.calls == []
+
+
+def test_a_stop_ends_an_evaluation_between_its_two_generate_calls() -> None:
+    from forkrl.training.scoring import SamplingStopped, evaluate
+
+    rollouts = StoppingRollouts(lambda c, i, j: True, at=0)
+    with pytest.raises(SamplingStopped, match="eval_greedy_accuracy"):
+        evaluate(rollouts, exact_match, make_split(TASK, "eval", 3, seed=0), _cfg(), stop=lambda: rollouts.stop)
+    assert len(rollouts.calls) == 1
