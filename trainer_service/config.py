@@ -61,7 +61,8 @@ class TrainerSettings(TokenSettings):
     to be SERVING again before it pushes its weights again and redoes the step; past it the run fails (with a
     checkpoint of its last trained step)."""
     grace_s: float = Field(10.0, ge=0)
-    """SIGTERM: seconds to let in-flight RPCs finish."""
+    """SIGTERM: seconds to let in-flight RPCs finish; the active run is stopped first (it stops before its next
+    micro-batch or Generate call and checkpoints its last trained step) and given grace_s x 6 for that."""
     tensorboard: bool = True
     """Also write TensorBoard event files into the run dir."""
 
