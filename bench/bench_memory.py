@@ -53,6 +53,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--inter", type=int, default=1536)
     p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--rows", type=int, default=8, help="rows of the batch (a multiple of 4)")
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens per row")
+    p.add_argument("--response", type=int, default=448, help="response tokens of the longest rows (every other "
+                   "row has 8 fewer)")
     p.add_argument("--micro", default="4", help="comma-separated micro_batch_size values (rows of a micro-batch over "
                    "all ranks; micro = ranks: one unpadded row per rank, no mask, as the recipe on 4+ ranks)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "on|off,fp32|bf16,MICRO": one measurement
@@ -65,9 +69,9 @@ def config(a: argparse.Namespace) -> dict:
                 num_hidden_layers=a.layers, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
 
 
-def run_of(micro: int) -> plan.Run:
-    return plan.Run(prompts_per_step=2, group_size=4, mini_batch_prompts=0, micro_batch_size=micro, max_new_tokens=448,
-                    prompt_tokens=64)
+def run_of(a: argparse.Namespace, micro: int) -> plan.Run:
+    return plan.Run(prompts_per_step=a.rows // 4, group_size=4, mini_batch_prompts=0, micro_batch_size=micro,
+                    max_new_tokens=a.response, prompt_tokens=a.prompt)
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -84,9 +88,9 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     info = init_from_env()
     ckpt, precision, micro = a.worker.split(",")
-    ckpt, bf16, run = ckpt == "on", precision == "bf16", run_of(int(micro))
+    ckpt, bf16, run = ckpt == "on", precision == "bf16", run_of(a, int(micro))
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(max_position_embeddings=1024, **config(a))).float()
+    model = Qwen2ForCausalLM(Qwen2Config(max_position_embeddings=a.prompt + a.response, **config(a))).float()
     if info.world_size > 1:
         model = shard_model(model, "cpu", mixed_precision=bf16, activation_checkpointing=ckpt)
     elif ckpt:
@@ -149,7 +153,7 @@ def worker(a: argparse.Namespace) -> None:
 def launch(a: argparse.Namespace, ranks: int, ckpt: str, precision: str, micro: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        dims = [f"--{k}={getattr(a, k)}" for k in ("hidden", "layers", "inter", "vocab")]
+        dims = [f"--{k}={getattr(a, k)}" for k in ("hidden", "layers", "inter", "vocab", "rows", "prompt", "response")]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                str(Path(__file__).resolve()), f"--worker={ckpt},{precision},{micro}", f"--out={out}", *dims]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -182,7 +186,7 @@ def main() -> None:
     if a.worker:
         worker(a)
         return
-    shape, run = plan.Shape.from_config(config(a), "check"), run_of(4)
+    shape, run = plan.Shape.from_config(config(a), "check"), run_of(a, 4)
     print(f"model: Qwen2 hidden {a.hidden}, {a.layers} layers, intermediate {a.inter}, vocab {a.vocab} "
           f"({shape.params / 1e6:.1f} M params); {run.seqs} rows of <= {run.prompt_tokens}+{run.max_new_tokens} "
           "tokens; MiB on rank 0", flush=True)
@@ -196,7 +200,7 @@ def main() -> None:
             for micro in (int(m) for m in a.micro.split(",")):
                 for ckpt in a.checkpointing.split(","):
                     got = launch(a, ranks, ckpt, precision, micro)
-                    want = predicted(a, ranks, ckpt == "on", precision == "bf16", run_of(micro))
+                    want = predicted(a, ranks, ckpt == "on", precision == "bf16", run_of(a, micro))
                     rows = -(-micro // ranks)
                     for k in ("weights", "adam", "grads", "fwd_end", "peak"):
                         print(f"| {ranks} | {precision} | {ckpt} | {micro} ({rows}) | {k} | {want[k] / MIB:.2f} | "
