@@ -230,9 +230,11 @@ def trainer_terms(s: Shape, run: Run, tr: Trainer) -> list[tuple[str, str, float
     extra32 = (4 if cb < 4 else 0) + (4 if run.temperature != 1.0 else 0)
     fwd = (cb * tok * v + (cb * rows * (seq - 1) * v if rows > 1 else 0)  # logits + reshape copy
            + chunk * (cb + extra32 + 13))  # a chunk: index_select, fp32/T copies, exp, p*logq, where, mask
-    bwd = 2 * cb * rows * (seq - 1) * v + chunk * (8 + cb)  # logits gradient + its accumulation buffer
+    # backward, chunks last to first: each frees its log-softmax; index_select's full-size gradient of the
+    # second chunk meets the accumulated one (2 copies), while 2 chunks' log-softmax are already gone
+    bwd = 2 * cb * rows * (seq - 1) * v + cb * chunk - 4 * min(resp, 2 * CHUNK_ROWS) * v
     t += [("loss", "fp32 log-softmax of every response row (kept for backward)", 4 * resp * v),
-          ("loss", "logits (+ reshape copy), a chunk's temporaries; or their gradients", max(fwd, bwd)),
+          ("loss", "logits (+ reshape copy) + a chunk's temporaries, or 2 logits gradients", max(fwd, bwd)),
           ("loss", "the final RMSNorm's saved tensors", (4 + cb) * tok * h)]
     if sharded:
         grad_work = cb + (4 if cb < 4 else 0)  # the layer's gradient + its fp32 copy for the reduce-scatter
