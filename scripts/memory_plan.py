@@ -322,14 +322,15 @@ def _largest(s: Shape, run: Run, tr: Trainer) -> str:
     return f"{n.split(': ')[-1]}: {_gib(b)} GiB"
 
 
-def layouts_table(models: list[str], run: Run, gpus: list[str], max_ranks: int, min_seqs: int) -> str:
+def layouts_table(models: list[str], run: Run, gpus: list[str], max_ranks: int, min_seqs: int,
+                  shadow: bool = False) -> str:
     lines = ["| model | params | GPU | rollout GPUs: TP (max-length seqs in its KV cache) | trainer as coded: ranks "
              "(GiB/rank) | trainer with checkpointing + per-micro-batch reduce-scatter: ranks (GiB/rank) "
              "| smallest layout (rollout + trainer) |", "|" + "---|" * 7]
     for m in models:
         s = load_shape(m)
         for g in gpus:
-            eng = smallest_tp(s, run, Engine(gpu=GPUS[g]), min_seqs)
+            eng = smallest_tp(s, run, Engine(gpu=GPUS[g], shadow_copy=shadow), min_seqs)
             cells, lay = [], []
             for label, variant in (("as coded", AS_CODED), ("switches on", PLANNED)):
                 tr = Trainer(**variant)
@@ -380,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", help=f"a preset ({', '.join(PRESETS)}) or a config.json path "
                    "(repeatable; default: every preset)")
-    p.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "dapo_paper.toml")
+    p.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "dapo_paper.toml", help="a RunConfig TOML "
+                   "(its batch, mini-batch, micro-batch, max_new_tokens, temperature, ppo_epochs)")
     p.add_argument("--prompt-tokens", type=int, help="longest prompt in tokens (default 2048)")
     p.add_argument("--max-new-tokens", type=int, help="override the recipe's response length")
     p.add_argument("--micro-batch-size", type=int, help="override the recipe's micro_batch_size (global rows)")
@@ -390,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--as-coded", action="store_true", help="with --ranks: no activation checkpointing, gradient "
                    "sync on the last micro-batch only (today's trainer); default: both switches on")
     p.add_argument("--shadow-copy", action="store_true", help="count the staged swap's second copy of the weights")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--max-ranks", type=int, default=1024)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="with --ranks: cpu = fp32, no "
+                   "runtime, fragmentation or device copies (what bench/bench_memory.py measures)")
+    p.add_argument("--max-ranks", type=int, default=1024, help="the most trainer ranks the search tries")
     p.add_argument("--min-seqs", type=int, default=1, help="max-length sequences the engine's KV cache must hold")
     a = p.parse_args(argv)
     run = Run.from_recipe(a.recipe, prompt_tokens=a.prompt_tokens, max_new_tokens=a.max_new_tokens,
@@ -408,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"gradient sync {tr.grad_sync}\n")
             print(terms_table(models, run, tr, Engine(tp=a.rollout_tp, gpu=GPUS[g], shadow_copy=a.shadow_copy)))
         return 0
-    print(layouts_table(models, run, gpus, a.max_ranks, a.min_seqs))
+    print(layouts_table(models, run, gpus, a.max_ranks, a.min_seqs, a.shadow_copy))
     if not a.model:
         print("\nthe seed's layout:\n")
         print(layout_check("qwen2.5-1.5b", run, gpus, tp=1, ranks=4))
