@@ -1,0 +1,151 @@
+"""scripts/memory_plan.py: its static terms against the byte counts of real models + AdamW, and its layout search.
+
+The activation terms are estimates, checked against a measured step by bench/bench_memory.py (docs/results.md);
+what is exact is checked exactly here: parameter counts and shapes of every preset against transformers' own
+modules (on the meta device: no memory), the bytes of weights, gradients and AdamW state after a real step,
+FSDP2's padded shard size, and which layout the search picks on cases built so that the answer is known.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import memory_plan as plan  # noqa: E402
+
+GIB = 1 << 30
+
+
+def _hf_model(cfg: dict, device: str = "cpu") -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    kind = cfg["model_type"]
+    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if kind == "qwen3" else (Qwen2Config, Qwen2ForCausalLM)
+    keys = {k: v for k, v in cfg.items() if k != "model_type"}
+    with torch.device(device):
+        return model_cls(config_cls(**keys))
+
+
+@pytest.mark.parametrize("name", list(plan.PRESETS))
+def test_preset_parameters_equal_the_transformers_model(name: str) -> None:
+    model = _hf_model(plan.PRESETS[name], device="meta")
+    shape = plan.load_shape(name)
+    params = list(model.parameters())  # tied embeddings appear once
+    assert shape.params == sum(p.numel() for p in params)
+    want = sorted((p.shape[0], p[0].numel() if p.dim() > 1 else 1) for p in params)
+    assert sorted(shape.tensors()) == want
+
+
+def test_qwen25_32b_parameter_count_is_the_published_one() -> None:
+    assert plan.load_shape("qwen2.5-32b").params == 32_763_876_352
+
+
+def test_a_config_json_path_reads_like_its_preset(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(plan.PRESETS["qwen3-14b"]))
+    assert replace(plan.load_shape(str(tmp_path)), name="x") == replace(plan.load_shape("qwen3-14b"), name="x")
+    assert plan.load_shape(str(tmp_path / "config.json")).params == plan.load_shape("qwen3-14b").params
+
+
+TINY = {
+    "qwen2": dict(model_type="qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen2-tied": dict(model_type="qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+}
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_static_terms_equal_the_bytes_of_a_real_model_and_adamw_after_a_step(name: str) -> None:
+    torch.manual_seed(0)
+    model = _hf_model(TINY[name]).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, TINY[name]["vocab_size"], (2, 9))
+    model(input_ids=ids).logits.float().pow(2).mean().backward()
+    opt.step()  # gradients kept: no zero_grad
+
+    run = plan.Run(prompts_per_step=1, group_size=2, mini_batch_prompts=0, micro_batch_size=2, max_new_tokens=4,
+                   prompt_tokens=5)
+    terms = {n: b for _, n, b in plan.trainer_terms(plan.Shape.from_config(TINY[name], name), run,
+                                                    plan.Trainer(ranks=1, device="cpu"))}
+    params = list(model.parameters())
+    assert terms["fp32 master weights (sharded)"] == _bytes(params)
+    assert terms["fp32 gradients (sharded)"] == _bytes(p.grad for p in params)
+    state = [opt.state[p] for p in params]
+    moments = (s[k] for s in state for k in ("exp_avg", "exp_avg_sq"))
+    assert terms["AdamW exp_avg + exp_avg_sq (sharded)"] == _bytes(moments)
+    assert terms["AdamW step counters"] == _bytes(s["step"] for s in state)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5, 64])
+def test_shards_are_fsdp2s_padded_dim0_chunks(ranks: int) -> None:
+    # fully_shard splits each parameter with torch.chunk on dim 0 and pads every rank to the first chunk's size
+    model = _hf_model(TINY["qwen3"])
+    shape = plan.Shape.from_config(TINY["qwen3"], "qwen3")
+    want = sum(torch.chunk(p.detach(), ranks, dim=0)[0].numel() for p in model.parameters())
+    assert plan.shard_elems(shape.tensors(), ranks) == want
+    assert plan.shard_elems(shape.tensors(), 1) == shape.params
+
+
+def test_unsharded_gradients_when_the_ranks_sync_on_the_last_micro_batch_only() -> None:
+    shape, run = plan.load_shape("qwen3-8b"), plan.Run()  # 128 micro-batches per update
+    last = {n: b for _, n, b in plan.trainer_terms(shape, run, plan.Trainer(ranks=8, grad_sync="last"))}
+    every = {n: b for _, n, b in plan.trainer_terms(shape, run, plan.Trainer(ranks=8, grad_sync="every"))}
+    assert last["fp32 gradients, unsharded (accumulated without reduce-scatter)"] == 4 * shape.params
+    assert every["fp32 gradients (sharded)"] == 4 * plan.shard_elems(shape.tensors(), 8)
+    one_micro = replace(run, micro_batch_size=run.mini_batch_prompts * run.group_size)  # nothing to accumulate
+    terms = {n for _, n, _ in plan.trainer_terms(shape, one_micro, plan.Trainer(ranks=8, grad_sync="last"))}
+    assert "fp32 gradients (sharded)" in terms
+
+
+def _total(shape: plan.Shape, run: plan.Run, tr: plan.Trainer, ranks: int) -> float:
+    return plan.trainer_terms(shape, run, replace(tr, ranks=ranks))[-1][2]
+
+
+def test_layout_search_picks_the_fewest_ranks_that_fit() -> None:
+    shape, run, tr = plan.load_shape("qwen3-14b"), plan.Run(), plan.Trainer(**plan.PLANNED)
+    t2, t3 = _total(shape, run, tr, 2), _total(shape, run, tr, 3)
+    assert t2 > t3  # the case is built on this: 2 ranks need more per rank than 3
+    assert plan.smallest_ranks(shape, run, tr, gpu=t3) == (3, t3)  # exactly fits at 3
+    assert plan.smallest_ranks(shape, run, tr, gpu=t2) == (2, t2)
+    got = plan.smallest_ranks(shape, run, tr, gpu=t3 - 1)  # one byte short at 3: the next count that fits
+    assert got is not None and got[0] > 3 and got[1] <= t3 - 1
+    assert all(_total(shape, run, tr, w) > t3 - 1 for w in range(1, got[0]))
+    assert plan.smallest_ranks(shape, run, tr, gpu=1 * GIB) is None  # less than the activations of one row
+
+
+def test_engine_tp_search_skips_tp_sizes_that_do_not_divide_the_heads() -> None:
+    run = plan.Run(max_new_tokens=1000, prompt_tokens=24)
+    shape = plan.load_shape("qwen2.5-7b")  # 28 heads: TP 1, 2, 4 divide them, 8 does not
+    kv_seq = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2 * 1024  # bf16 K and V of one 1024-token row
+    assert plan.engine_terms(shape, run, plan.Engine(tp=1))[1] // kv_seq == plan.engine_terms(
+        shape, run, plan.Engine(tp=1))[2]
+    fixed = sum(b for n, b in plan.engine_terms(shape, run, plan.Engine(tp=1))[0] if not n.startswith("KV"))
+    # a GPU that holds TP 1's weights and runtime but not one sequence's KV: TP 2 (half the weights) fits
+    gpu = (fixed + kv_seq / 2) / 0.9
+    assert plan.smallest_tp(shape, run, plan.Engine(gpu=gpu)) == (2, plan.engine_terms(
+        shape, run, plan.Engine(tp=2, gpu=gpu))[2])
+    odd = replace(shape, heads=7, kv_heads=7)  # only TP 1 divides 7 of 1/2/4/8
+    assert plan.smallest_tp(odd, run, plan.Engine(gpu=gpu / 2)) is None
+
+
+def test_the_cli_prints_every_term_and_the_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan.main(["--model", "qwen2.5-1.5b", "--ranks", "4", "--gpu", "80"]) == 0
+    out = capsys.readouterr().out
+    for name in ("fp32 master weights", "AdamW exp_avg", "FSDP2: 2 decoder layers", "log-softmax",
+                 "runtime: CUDA context", "total per rank", "bf16 weights", "KV cache left"):
+        assert name in out
+    assert plan.main(["--model", "qwen2.5-1.5b", "--gpu", "141"]) == 0
+    assert "| qwen2.5-1.5b | 1.54 B | 141 GB |" in capsys.readouterr().out
