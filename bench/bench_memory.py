@@ -6,7 +6,7 @@
 A random-init Qwen2 (built from a Qwen2Config in memory, as forkrl/models/random_qwen2.py builds its sizes;
 defaults: hidden 512, 4 layers, 8 heads / 2 kv heads, intermediate 1536, vocab 16384, untied: 28.8 M
 parameters) and one fixed batch (8 rows of a 64-token prompt and a 448- or 440-token response, so rows of a
-micro-batch are right-padded: SDPA's mask path), trained by forkrl's own step (`dp_train_step`: `train_step`
+micro-batch are right-padded: SDPA's mask path), trained by forkrl's own step (`train_step`
 on 1 process, FSDP2 `shard_model` on 2 ranks under torchrun; bf16 = its MixedPrecisionPolicy, as on CUDA) in
 one update of micro-batches of `--micro` rows (dealt over the ranks), dapo, micro-batch top-k 0.2, AdamW.
 One warm-up step creates AdamW's state; the second step runs under torch.profiler with profile_memory=True,
@@ -80,9 +80,8 @@ def worker(a: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from forkrl.rl.dp import dp_train_step
     from forkrl.rl.losses import LossConfig
-    from forkrl.rl.step import build_batch
+    from forkrl.rl.step import build_batch, train_step
     from forkrl.training.distributed import init_from_env, shard_model
 
     torch.set_num_threads(1)
@@ -105,8 +104,8 @@ def worker(a: argparse.Namespace) -> None:
     loss_cfg = LossConfig(name="dapo", entropy_top_frac=0.2, mask_scope="microbatch")
 
     def step() -> None:
-        dp_train_step(model, opt, batch, adv, loss_cfg, temperature=1.0, micro_batch_size=run.micro_batch_size,
-                      max_grad_norm=1.0)
+        train_step(model, opt, batch, adv, loss_cfg, temperature=1.0, micro_batch_size=run.micro_batch_size,
+                   max_grad_norm=1.0)
 
     step()  # AdamW's state exists from here on
     marks: list[tuple[str, int]] = []

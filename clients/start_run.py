@@ -184,7 +184,8 @@ def ask_stop_or_detach(stub, pb2, run_id: str, num_steps: int) -> int:
             answer = "d"
     if answer == "s":
         stub.StopRun(pb2.StopRunRequest(run_id=run_id), timeout=30)
-        print(f"stopping run {run_id}: it stops before its next micro-batch or Generate call and checkpoints its last trained step")
+        print(f"stopping run {run_id}: it stops before its next micro-batch or Generate call and checkpoints "
+              "its last trained step")
         run = stub.GetRun(pb2.GetRunRequest(run_id=run_id), timeout=30)
         return follow(stub, pb2, run_id, num_steps, run.step)
     print(f"detached; the run goes on. Follow it again with: python clients/start_run.py --watch {run_id}")

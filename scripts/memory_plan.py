@@ -174,11 +174,11 @@ class Trainer:
     ranks: int = 8
     device: str = "cuda"
     checkpointing: bool = True  # activation checkpointing (shard_model's option; the trainer does not set it)
-    grad_sync: str = "every"  # "last": reduce-scatter on the last micro-batch only (forkrl/rl/dp.py today)
+    grad_sync: str = "every"  # "last": reduce-scatter on the last micro-batch only (forkrl/rl/step.py today)
     mixed_precision: bool | None = None  # bf16 compute; None: on CUDA with FSDP2 (shard_model's default)
 
 
-AS_CODED = dict(checkpointing=False, grad_sync="last")  # what load_policy + dp_train_step do today
+AS_CODED = dict(checkpointing=False, grad_sync="last")  # what load_policy + train_step do today
 PLANNED = dict(checkpointing=True, grad_sync="every")  # the two switches this plan assumes
 
 

@@ -190,7 +190,8 @@ class RunManager:
                 run.state = STOPPING
                 run.cond.notify_all()
             run.stop_requested.set()
-            run.event("LOG", "stop requested: the run stops before its next micro-batch or Generate call and checkpoints its last trained step")
+            run.event("LOG", "stop requested: the run stops before its next micro-batch or Generate call and "
+                               "checkpoints its last trained step")
         return run
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
