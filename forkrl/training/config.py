@@ -161,6 +161,11 @@ class RunConfig(BaseModel):
     """Fail the run after this many steps in a row whose every update was skipped for a non-finite loss or gradient
     norm (each skip is logged with the tensor; the last good checkpoint is kept); 0 = never fail, train on; at most
     10,000,000."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (HF non-reentrant
+    checkpointing, on 1 or N ranks): per layer only its input is kept, for about one more forward of compute; the
+    numbers do not change. Needed for long responses (recipes/dapo_paper.toml turns it on: docs/scaling.md
+    "Memory plan"); off by default (the short rows of the tiny default do not need it)."""
 
     @field_validator("entropy_top_frac")
     @classmethod
