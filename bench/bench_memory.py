@@ -11,10 +11,11 @@ micro-batch are right-padded: SDPA's mask path), trained by forkrl's own step (`
 on 1 process, FSDP2 `shard_model` on 2 ranks under torchrun; bf16 = its MixedPrecisionPolicy, as on CUDA) in
 one update of micro-batches of `--micro` rows (dealt over the ranks), dapo, micro-batch top-k 0.2, AdamW, the
 gradients reduce-scattered every micro-batch (train_step's default; `--grad-sync last`: once per update).
-One warm-up step creates AdamW's state; the second step runs under torch.profiler with profile_memory=True,
-whose allocation events give the live tensor bytes at every instant (CPU tensors have no allocator
-statistics; RSS would mix in the interpreter and freed pages). Hooks on the model mark the start and end of
-each forward. Compared with the plan (CPU: no runtime, fragmentation or device-copy terms), on rank 0:
+One warm-up step creates AdamW's state; the second step runs under torch.profiler with profile_memory=True, whose
+allocation events give the live tensor bytes at every instant (CPU tensors have no allocator statistics; RSS
+would mix in the interpreter and freed pages). Sentinel allocations (sizes no tensor of the step has) mark the
+start and end of the step and of each forward in the same event stream. Compared with the plan (CPU: no runtime,
+fragmentation or device-copy terms), on rank 0:
 - static (exact, by count): fp32 weights (local shards), AdamW exp_avg + exp_avg_sq + step counters;
 - gradients: the live bytes at the start of the second micro-batch minus at the step's start;
 - forward end: the live bytes when the second micro-batch's model forward returns minus at its start (the saved
@@ -28,13 +29,11 @@ construction, the others are estimates (docs/results.md has a run).
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +43,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import memory_plan as plan  # noqa: E402  (torch-free formulas)
 
 MIB = 1 << 20
+# byte sizes of the sentinel allocations that mark instants in the profiler's event stream (sizes no tensor of
+# the step has)
+SENTINELS = {"step_start": 1_000_003, "step_end": 1_000_033, "fwd_start": 1_000_037, "fwd_end": 1_000_039}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,29 +114,37 @@ def worker(a: argparse.Namespace) -> None:
                    max_grad_norm=1.0, grad_sync=a.grad_sync)
 
     step()  # AdamW's state exists from here on
-    marks: list[tuple[str, int]] = []
-    # before FSDP2's own pre-forward (it gathers the root unit) and after its post-forward (it frees it)
-    model.register_forward_pre_hook(lambda *_: marks.append(("fwd_start", time.time_ns())), prepend=True)
-    model.register_forward_hook(lambda *_: marks.append(("fwd_end", time.time_ns())))
+
+    def mark(kind: str) -> None:  # a sentinel allocation of a size nothing else has: a mark in the event stream
+        torch.empty(SENTINELS[kind], dtype=torch.uint8)
+
+    # before FSDP2's own pre-forward (it gathers the root unit) and after its post-forward
+    model.register_forward_pre_hook(lambda *_: mark("fwd_start"), prepend=True)
+    model.register_forward_hook(lambda *_: mark("fwd_end"))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        marks.append(("step_start", time.time_ns()))
+        mark("step_start")
         step()
-        marks.append(("step_end", time.time_ns()))
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    times, live, total = [], [], 0
-    for t, b in events:
-        total += b
-        times.append(t)
+        mark("step_end")
+    # the allocator's events in the order they happened (a stable sort on time: an allocation and a free in the
+    # same nanosecond keep their order); the live bytes before each event, the marks' positions
+    events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]"), key=lambda tb: tb[0])
+    kinds = {size: kind for kind, size in SENTINELS.items()}
+    live, total, marks = [], 0, []
+    for _, b in events:
+        if abs(b) in kinds:
+            if b > 0:
+                marks.append((kinds[b], len(live)))
+            continue
         live.append(total)
+        total += b
+    live.append(total)
 
-    def at(t: int) -> int:
-        i = bisect.bisect_right(times, t) - 1
-        return live[i] if i >= 0 else 0
+    def at(kind: str, n: int) -> int:
+        return live[[i for k, i in marks if k == kind][n]]
 
-    starts = [t for name, t in marks if name == "fwd_start"]
-    ends = [t for name, t in marks if name == "fwd_end"]
-    base = at(marks[0][1])
-
+    base = at("step_start", 0)
+    first, last = [i for k, i in marks if k == "step_start"][0], [i for k, i in marks if k == "step_end"][0]
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
@@ -143,9 +153,9 @@ def worker(a: argparse.Namespace) -> None:
         "weights": sum(local(p).numel() * 4 for p in model.parameters()),
         "adam": adam,
         # forwards of the step: micro-batch 0, micro-batch 1 (the last), then approx_kl's two no-grad passes
-        "grads": at(starts[1]) - base,
-        "fwd_end": at(ends[1]) - at(starts[1]),
-        "peak": max(live[bisect.bisect_left(times, marks[0][1]): bisect.bisect_right(times, marks[-1][1])]) - base,
+        "grads": at("fwd_start", 1) - base,
+        "fwd_end": at("fwd_end", 1) - at("fwd_start", 1),
+        "peak": max(live[first: last + 1]) - base,
     }
     if info.rank == 0:
         Path(a.out).write_text(json.dumps(out))

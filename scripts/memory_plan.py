@@ -12,10 +12,10 @@ bench/bench_memory.py checks them against a measured CPU step. Trainer (as coded
 activation_checkpointing, gradients reduce-scattered every micro-batch, the loss from the final hidden states in
 chunks), per rank of W: fp32 master weights, AdamW moments and fp32 gradients (FSDP2 shards; unsharded with
 --grad-sync last), FSDP2's gathered units, the activations of one micro-batch of ceil(micro_batch_size / W) rows
-(each layer's saved tensors, or its input with activation checkpointing, plus the larger of the loss phase and
-the layer phase), the step's tokens, runtime and fragmentation. Compute in bf16 with FSDP2 on CUDA (W > 1), fp32
-on one process. Engine, per GPU of a tensor-parallel replica: bf16 weights, activations, runtime, CUDA graphs,
-and the KV cache left under gpu_memory_utilization.
+(each layer's saved tensors, or its input with activation checkpointing, plus the largest of the loss phase, the
+layer phase and FSDP2's reduce-scatter of the root unit), the step's tokens, runtime and fragmentation. Compute in
+bf16 with FSDP2 on CUDA (W > 1), fp32 on one process. Engine, per GPU of a tensor-parallel replica: bf16 weights,
+activations, runtime, CUDA graphs, and the KV cache left under gpu_memory_utilization.
 """
 
 from __future__ import annotations
@@ -222,10 +222,11 @@ def loss_terms(s: Shape, rows: int, seq: int, resp: int, cb: int, sharded: bool)
 
 
 def trainer_terms(s: Shape, run: Run, tr: Trainer) -> list[tuple[str, str, float]]:
-    """(phase, name, bytes) per rank, the last one the total = the terms of phase "" + the larger phase sum.
+    """(phase, name, bytes) per rank, the last one the total = the terms of phase "" + the largest phase sum.
 
     Phase "loss": from the end of the forward to the final hidden states' gradient (the chunked loss);
-    phase "layer": the backward through the decoder layers (units gathered again, one layer recomputed).
+    phase "layer": the backward through the decoder layers (units gathered again, one layer recomputed);
+    phase "root" (FSDP2): the end of the backward, when the root unit's gradients are reduce-scattered.
     """
     w = tr.ranks
     sharded = w > 1
@@ -263,15 +264,18 @@ def trainer_terms(s: Shape, run: Run, tr: Trainer) -> list[tuple[str, str, float
     if ckpt:
         t.append(("layer", "one layer recomputed (its saved tensors)", layer))
     t.append(("layer", "backward temporaries (gradients of the MLP's intermediates)", 2 * cb * tok * s.inter))
+    if sharded:  # in the backward's final callback, after every layer: the root's gradients, cast to fp32 and reduced
+        root_shard = shard_elems(s.root_tensors(), w)  # FSDP2 pads every tensor's dim 0 to a multiple of W
+        t += [("root", "FSDP2: the root's unsharded gradients (embeddings, lm_head)", cb * s.root_params),
+              ("root", "FSDP2: the root's reduce-scatter input (fp32, padded) and output", 4 * root_shard * (w + 1))]
     if tr.device == "cuda":
         step_rows = -(-run.seqs // w)
         per_row = 26 * seq - (4 * seq if run.updates == 1 else 0) + 8 * run.max_new_tokens  # ids, masks, logps
         t.append(("", "the step's token tensors on the device (this rank's rows)", step_rows * per_row))
-    loss = sum(b for ph, _, b in t if ph == "loss")
-    lay = sum(b for ph, _, b in t if ph == "layer")
-    tensors = sum(b for ph, _, b in t if not ph) + max(loss, lay)
-    t += [("", "loss phase total" + (" (the peak)" if loss >= lay else ""), loss),
-          ("", "layer phase total" + (" (the peak)" if lay > loss else ""), lay)]
+    phases = {ph: sum(b for p, _, b in t if p == ph) for ph in ("loss", "layer", "root")}
+    peak = max(phases, key=lambda ph: phases[ph])
+    tensors = sum(b for ph, _, b in t if not ph) + phases[peak]
+    t += [("", f"{ph} phase total", b) for ph, b in phases.items() if sharded or ph != "root"]
     if tr.device == "cuda":
         t += [("", f"allocator fragmentation ({FRAGMENTATION:.0%} of the tensors)", FRAGMENTATION * tensors),
               ("", "runtime: CUDA context, cuBLAS, NCCL", TRAINER_RUNTIME)]

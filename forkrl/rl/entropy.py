@@ -159,6 +159,7 @@ class _LinearLogprobs(torch.autograd.Function):
             lse[a:b] = lse_c
             if with_entropy:
                 ent[a:b] = _entropy_of(logq)
+            del s, logq  # before the next chunk's logits exist: one chunk's [chunk, V] at a time
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.mark_non_differentiable(ent)
@@ -185,6 +186,7 @@ class _LinearLogprobs(torch.autograd.Function):
                     acc.addmm_(dz.t(), hidden[a:b])
                 else:
                     acc.add_(dz.t() @ hidden[a:b])
+            del p, ds, dz  # before the next chunk's logits exist
         grad_w = acc.to(weight.dtype) if acc is not None else None
         return grad_h, grad_w, None, None, None, None
 
