@@ -186,7 +186,7 @@ def predicted(a: argparse.Namespace, ranks: int, ckpt: bool, bf16: bool, run: pl
     rows = max(1, -(-run.micro_batch_size // ranks))
     seq, cb = run.prompt_tokens + run.max_new_tokens, 2 if bf16 else 4
     saved = next(v for k, v in terms.items() if k.startswith("activations saved"))
-    root = terms.get("FSDP2: root unit gathered (embeddings, norm, lm_head)", 0.0)
+    root = cb * shape.root_params if ranks > 1 else 0.0  # gathered by the forward, kept until the backward
     return {
         "weights": terms["fp32 master weights (sharded)"],
         "adam": terms["AdamW exp_avg + exp_avg_sq (sharded)"] + terms["AdamW step counters"],

@@ -201,7 +201,7 @@ def layer_bytes_per_token(s: Shape, cb: int, masked: bool, checkpointing: bool) 
     return out
 
 
-def loss_terms(s: Shape, rows: int, seq: int, resp: int, cb: int, sharded: bool) -> dict[str, float]:
+def loss_terms(s: Shape, rows: int, seq: int, resp: int, cb: int, sharded: bool, cpu: bool = False) -> dict[str, float]:
     """Bytes of the loss phase (forkrl/rl/entropy.py `causal_lm_logprobs_and_entropy`), from the end of the
     backbone's forward to the gradient of its final hidden states, by part; the last entry is their peak."""
     v, h, t = s.vocab, s.hidden, rows * seq
@@ -213,6 +213,7 @@ def loss_terms(s: Shape, rows: int, seq: int, resp: int, cb: int, sharded: bool)
     # backward, per chunk: the recomputed fp32 softmax (in place into the gradient) and its bf16 copy, and under
     # bf16 the chunk's product dz^T h before it joins the fp32 accumulator; the rows' gradient; the accumulator
     bwd = (6.0 * chunk + cb * v * h if cb < 4 else 4.0 * chunk) + cb * resp * h + 4 * v * h
+    bwd += 4 * v * h if cpu and cb < 4 else 0  # the CPU's bf16 matmul writes dz^T h in fp32 first
     # then the gradient of the whole [r, S, h] final hidden states (zeros + the rows put in), lm_head's gradient
     # (sharded: unsharded until the root's reduce-scatter; one process: already in the fp32 gradients)
     after = 2 * cb * t * h + (cb * v * h if sharded else 0)
@@ -253,21 +254,27 @@ def trainer_terms(s: Shape, run: Run, tr: Trainer) -> list[tuple[str, str, float
     saved += rows * seq * seq if masked else 0  # the boolean mask, shared by every layer
     t.append(("", "activations saved: " + ("each layer's input (checkpointing)" if ckpt else "every layer's tensors"),
               saved))
-    if sharded:  # the root is not resharded after its forward: gathered from the forward to its post-backward
-        t.append(("", "FSDP2: root unit gathered (embeddings, norm, lm_head)", cb * s.root_params))
-    t += [("loss", n, b) for n, b in loss_terms(s, rows, seq, resp, cb, sharded).items()]
+    # FSDP2: the root is not resharded after its forward: gathered from the forward to its post-backward, which
+    # reshards it before reducing its gradients
+    root = [("FSDP2: root unit gathered (embeddings, norm, lm_head)", cb * s.root_params)] if sharded else []
+    cpu = tr.device == "cpu"
+    t += [("loss", n, b) for n, b in root + list(loss_terms(s, rows, seq, resp, cb, sharded, cpu).items())]
     if sharded:
         grad_work = cb + (4 if cb < 4 else 0)  # the layer's gradient + its fp32 copy for the reduce-scatter
-        t += [("layer", "FSDP2: 2 decoder layers gathered (current + prefetch)", 2 * cb * s.layer_params),
-              ("layer", "FSDP2: one layer's gradient + its fp32 reduce copy", grad_work * s.layer_params),
+        t += [("layer", *root[0]),
+              ("layer", "FSDP2: 2 decoder layers gathered (current + prefetch)", 2 * cb * s.layer_params),
+              ("layer", "FSDP2: one layer's gradient + its fp32 reduce copy" + (" (+ gloo's copy)" if cpu else ""),
+               (grad_work + (4 if cpu else 0)) * s.layer_params),
               ("layer", "lm_head gradient, unsharded until the root's reduce-scatter", cb * s.vocab * h)]
     if ckpt:
         t.append(("layer", "one layer recomputed (its saved tensors)", layer))
     t.append(("layer", "backward temporaries (gradients of the MLP's intermediates)", 2 * cb * tok * s.inter))
-    if sharded:  # in the backward's final callback, after every layer: the root's gradients, cast to fp32 and reduced
-        root_shard = shard_elems(s.root_tensors(), w)  # FSDP2 pads every tensor's dim 0 to a multiple of W
-        t += [("root", "FSDP2: the root's unsharded gradients (embeddings, lm_head)", cb * s.root_params),
-              ("root", "FSDP2: the root's reduce-scatter input (fp32, padded) and output", 4 * root_shard * (w + 1))]
+    if sharded:  # the backward's final callback, after every layer: the root's unsharded gradients are copied into
+        # an fp32 reduce-scatter input, then freed but the embedding's (autograd still holds it), and reduced into
+        # an output of 1/W of it; gloo's reduce-scatter (CPU) reduces a copy of its input
+        pad = 4 * shard_elems(s.root_tensors(), w) * w  # FSDP2 pads every tensor's dim 0 to a multiple of W
+        t.append(("root", "FSDP2: the root's gradients, then their fp32 reduce-scatter input and output",
+                  max(cb * s.root_params + pad, cb * s.vocab * h + pad * (2 if cpu else 1) + pad / w)))
     if tr.device == "cuda":
         step_rows = -(-run.seqs // w)
         per_row = 26 * seq - (4 * seq if run.updates == 1 else 0) + 8 * run.max_new_tokens  # ids, masks, logps
