@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from forkrl.data.prompts import PromptFormat, check_format_options
 from forkrl.rl.options import LossName, MaskNorm, MaskScope, check_top_frac
 
 if TYPE_CHECKING:
     from forkrl.rl.losses import LossConfig
 
+LogTarget = Literal["jsonl", "tensorboard", "wandb"]
+"""Where the metrics go (forkrl/training/metrics.py: MetricsSink)."""
 WeightSync = Literal["auto", "stream", "path", "shm"]
 """How the trainer pushes weights (forkrl/training/rollouts.py): streamed over gRPC (UpdateWeights), through
 the run dir or a shared-memory file (LoadWeights), or auto (shm to services on this host, else stream)."""
@@ -36,7 +39,8 @@ class RunConfig(BaseModel):
     task: str = ""
     """Built-in task (used when no dataset is given); empty = default."""
     dataset: str = ""
-    """JSONL dataset of prompts and answers; overrides --task. The client defaults it to $RL_DATASET_PATH."""
+    """Dataset of prompts and answers: a JSONL or Parquet file or a `datasets` folder (forkrl/data/datasets.py);
+    overrides --task. The client defaults it to $RL_DATASET_PATH."""
     reward: str = ""
     """Reward function: exact_match, countdown, math_verify or module:function; empty = the task's default
     (exact_match for sum3/add2, countdown for countdown, math_verify for a dataset)."""
@@ -114,13 +118,38 @@ class RunConfig(BaseModel):
     eval_every: int = Field(0, ge=0)
     """Evaluate accuracy every N steps (0 = before and after only)."""
     eval_prompts: int = Field(128, ge=0)
-    """Eval-split prompts per evaluation (0 = no eval)."""
+    """Eval prompts per evaluation: of the eval split, or of each --eval-dataset file (0 = no eval)."""
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     """AdamW beta1."""
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     """AdamW beta2."""
     overlong_cache_len: int = Field(0, ge=0)
     """DAPO soft overlong punishment: length of the penalty ramp (0 = off)."""
+    prompt_format: PromptFormat = "raw"
+    """How a problem becomes the model's prompt (forkrl/data/prompts.py): raw (the text as is), chat (the
+    tokenizer's chat template; a row's own message list is kept), dapo (DAPO's math prompt in the chat template,
+    the answer on a last 'Answer:' line: the 80/20 paper's), boxed (a \\boxed{} instruction in the chat template),
+    dapo_plain / boxed_plain (those texts without a chat template). math_verify reads the answer where the
+    format puts it."""
+    system_prompt: str = Field("", max_length=65536)
+    """System message of the chat formats (chat, dapo, boxed); empty = none (a row's own system turn is kept)."""
+    prompt_field: str = Field("", max_length=256)
+    """Dataset field of the prompt, dotted for a nested one (extra_info.question); empty = the first of prompt,
+    question, problem."""
+    answer_field: str = Field("", max_length=256)
+    """Dataset field of the gold answer, dotted for a nested one (reward_model.ground_truth); empty = the first
+    of answer, solution, ground_truth, reward_model.ground_truth."""
+    eval_dataset: list[str] = Field([], max_length=32)
+    """Benchmark file(s) or folder(s) for the in-training eval instead of the eval split (same kinds as
+    --dataset, read whole, the first eval_prompts problems of each); several as a comma-separated list or a
+    repeated flag. eval_accuracy is over all of them, eval_accuracy_<name> per file."""
+    log_to: list[LogTarget] = ["jsonl", "tensorboard"]
+    """Where the step and eval metrics go: jsonl (metrics.jsonl, always written: resume and the curves read it),
+    tensorboard (<run_dir>/tb), wandb (Weights & Biases: the optional extra `wandb`; WANDB_MODE=offline writes
+    <run_dir>/wandb without a network)."""
+    wandb_project: str = Field("", max_length=128)
+    """W&B project (log_to wandb); empty = $WANDB_PROJECT of the trainer, else forkrl. The W&B run is named
+    after the run dir and keeps its id across resumes."""
 
     @field_validator("entropy_top_frac")
     @classmethod
@@ -152,6 +181,7 @@ class RunConfig(BaseModel):
                              f"({self.prompts_per_step}); 0 = all prompts in one update")
         if self.resume and not self.run_dir:
             raise ValueError("resume needs run_dir (the run to continue)")
+        check_format_options(self.prompt_format, self.system_prompt)
         return self
 
     def loss_config(self) -> LossConfig:
@@ -186,8 +216,8 @@ def to_proto(cfg: RunConfig) -> Any:
         if fields[name].enum_type is not None:
             enum_type = fields[name].enum_type
             setattr(msg, name, enum_type.values_by_name[_enum_prefix(enum_type) + value.upper()].number)
-        elif name == "rollout_addresses":
-            msg.rollout_addresses.extend(value)
+        elif isinstance(value, list):  # repeated string fields
+            getattr(msg, name).extend(value)
         elif value is not None:
             setattr(msg, name, value)
     return msg
@@ -205,7 +235,7 @@ def from_proto(msg: Any) -> RunConfig:
             if value != 0:  # an unknown number goes through as is: the Literal check names the field
                 known = field.enum_type.values_by_number.get(value)
                 data[name] = known.name.removeprefix(_enum_prefix(field.enum_type)).lower() if known else value
-        elif name == "rollout_addresses":
+        elif field.is_repeated:  # empty = the default
             if value:
                 data[name] = list(value)
         elif field.has_presence:
