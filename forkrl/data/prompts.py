@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,11 +103,14 @@ def _messages(problem: Problem) -> list[dict[str, Any]]:
 
 
 class PromptEncoder:
-    """Token ids of problems in one prompt format, with one tokenizer (that of the model being sampled)."""
+    """Token ids of problems in one prompt format, with one tokenizer (that of the model being sampled).
+    Thread-safe: `encode` holds a lock (the async sampler and the evaluation may encode at the same time, and a
+    fast tokenizer is one Rust object); give it a tokenizer nothing else uses concurrently (a copy)."""
 
     def __init__(self, tokenizer: Any, prompt_format: str = "raw", system_prompt: str = "") -> None:
         check_format_options(prompt_format, system_prompt)
         self.tok, self.spec, self.system_prompt = tokenizer, format_spec(prompt_format), system_prompt
+        self._lock = threading.Lock()
         if self.spec.chat and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"prompt_format {prompt_format!r} applies the tokenizer's chat template, and the "
                              "tokenizer has no chat template; use raw (or dapo_plain / boxed_plain)")
@@ -138,7 +142,8 @@ class PromptEncoder:
         return [int(t) for t in ids]
 
     def encode(self, problems: Sequence[Problem]) -> list[list[int]]:
-        return [self.encode_one(p) for p in problems]
+        with self._lock:
+            return [self.encode_one(p) for p in problems]
 
 
 def check_prompt_format(model_dir: str | Path, prompt_format: str, system_prompt: str = "") -> None:

@@ -178,7 +178,8 @@ def _sample(plan: EvalPlan, ref: CheckpointRef, ids: list[list[int]], eos: list[
     from forkrl.probe.sampling import sample_trajectories
 
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    model, _ = load_checkpoint(ref.path, torch.float32, dev)
+    model, _ = load_checkpoint(ref.path, torch.float32, dev,
+                               plan.checkpoints[0].path if plan.params.model else None)  # tokenizer fallback
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     try:
         return sample_trajectories(model, ids, pad_id=pad, **kw)

@@ -25,6 +25,7 @@ cursor of the last trained batch. With k = 0 the loop below is the sync loop, un
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -117,7 +118,7 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
     eval_sets = load_eval_sets(cfg.task or None, cfg.dataset or None, cfg.eval_dataset, cfg.eval_prompts, cfg.seed,
                                fields)
     # the trainer formats and tokenizes; the rollout service samples from exactly these ids (forkrl/data/prompts.py)
-    encoder = PromptEncoder(policy.tokenizer, cfg.prompt_format, cfg.system_prompt)
+    encoder = PromptEncoder(copy.deepcopy(policy.tokenizer), cfg.prompt_format, cfg.system_prompt)  # own copy
     s = _Session(run, cfg, policy, DataOrder(train_problems, cfg.seed, policy.data_cursor),
                  run_reward_fn(cfg.reward, cfg.prompt_format), sink,
                  Rollouts(cfg.rollout_addresses, token, rid), [p for _, ps in eval_sets for p in ps],

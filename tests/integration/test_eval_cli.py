@@ -61,3 +61,38 @@ def test_eval_cli_counts_match_a_hand_count(tmp_path: Path, tiny_model_dir: Path
     # same weights, same seeds: the same samples, the same numbers
     assert summary["results"]["countdown"]["base"] == summary["results"]["countdown"]["step_000005"]
     assert (out / "avg_vs_step.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _recount(summary: dict, problems: list, label: str, n: int) -> None:
+    """The rows of `label` equal a count by hand: every sample re-graded with the countdown verifier."""
+    rows = [r for r in summary["problems"] if r["checkpoint"] == label]
+    counts = []
+    for r in rows:
+        numbers, target = parse_prompt(problems[r["index"]].prompt)
+        texts = r["texts"]
+        assert len(texts) == n
+        counts.append(sum(check_solution(t, numbers, target) == "correct" for t in texts))
+        assert r["correct"] == counts[-1]
+    row = summary["results"]["countdown"][label]
+    assert row[f"avg@{n}"] == pytest.approx(sum(c / n for c in counts) / len(counts), abs=1e-12)
+    for k in range(1, n + 1):
+        by_hand = sum(1 - math.comb(n - c, k) / math.comb(n, k) for c in counts) / len(counts)
+        assert row[f"pass@{k}"] == pytest.approx(by_hand, abs=1e-12), k
+
+
+def test_eval_with_the_transformers_sampler_counts_alike(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from forkrl.eval import EvalParams, run_eval
+
+    bench = tmp_path / "countdown.jsonl"
+    problems = make_split("countdown", "eval", 5, seed=4)
+    bench.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in problems))
+    summary = run_eval(EvalParams(model=str(tiny_model_dir), benchmarks=[str(bench)], reward="countdown",
+                                  num_samples=3, pass_k=[1, 2, 3], max_new_tokens=16, sampler="transformers"),
+                       tmp_path / "out", device="cpu", progress=lambda msg: None)
+    texts = {}
+    for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines():
+        s = json.loads(line)
+        texts.setdefault(s["index"], []).append(s["text"])
+    for r in summary["problems"]:
+        r["texts"] = texts[r["index"]]
+    _recount(summary, problems, "base", 3)

@@ -106,3 +106,29 @@ def test_a_chat_format_on_a_model_without_a_chat_template_is_refused_at_start(ro
     assert "prompt_format 'chat' applies the tokenizer's chat template" in msg and "no chat template" in msg
     # a template format with a built-in task's reward: the reward would not read the answer where it is asked for
     assert "asks for the answer on a last 'Answer:' line, and reward 'countdown'" in refused(prompt_format="dapo")
+
+
+def test_the_eval_samples_through_a_running_rollout_service(rollout_address, tiny_model_dir, tmp_path) -> None:
+    """python -m forkrl.eval --sampler rollout: the service serves the evaluated checkpoint (pushed here first);
+    every problem gets its n samples, graded as the countdown verifier grades them."""
+    from safetensors.torch import load_file
+
+    from forkrl.data.countdown import check_solution, parse_prompt
+    from forkrl.eval import EvalParams, run_eval
+
+    with RolloutClient(rollout_address, timeout_s=120) as c:
+        c.update_weights(load_file(str(tiny_model_dir / "model.safetensors")), c.info().version + 1)
+    problems = make_split("countdown", "eval", 5, seed=6)
+    bench = tmp_path / "cd.jsonl"
+    bench.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in problems))
+    summary = run_eval(EvalParams(checkpoints=[str(tiny_model_dir)], benchmarks=[str(bench)], reward="countdown",
+                                  num_samples=3, pass_k=[1, 3], max_new_tokens=16, sampler="rollout",
+                                  rollout_address=rollout_address), tmp_path / "out", progress=lambda msg: None)
+    ((label, row),) = summary["results"]["cd"].items()
+    samples = [json.loads(s) for s in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert sorted((s["index"], s["sample"]) for s in samples) == [(i, g) for i in range(5) for g in range(3)]
+    counts = [0] * 5
+    for s in samples:
+        counts[s["index"]] += check_solution(s["text"], *parse_prompt(problems[s["index"]].prompt)) == "correct"
+    assert row["avg@3"] == pytest.approx(sum(c / 3 for c in counts) / 5, abs=1e-12)
+    assert row["pass@3"] == pytest.approx(sum(c > 0 for c in counts) / 5, abs=1e-12)  # pass@n: any correct
