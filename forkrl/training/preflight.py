@@ -69,13 +69,13 @@ def preflight(cfg: RunConfig, rules: RunRules | None = None) -> RunConfig:
     cfg = check_values(cfg)
     if not (Path(cfg.model) / "config.json").is_file():
         raise ValueError(f"model: {cfg.model!r} is not an HF checkpoint directory (no config.json)")
-    check_prompt_format(cfg.model, cfg.prompt_format, cfg.system_prompt)  # a chat format needs a chat template
     fields = Fields(cfg.prompt_field, cfg.answer_field)
     if cfg.dataset:  # every row read and checked (and the normalized table cached for the run)
         check_dataset(cfg.dataset, ("train", "eval") if cfg.eval_prompts and not cfg.eval_dataset else ("train",),
                       fields)
     for bench in cfg.eval_dataset:
         load_benchmark(bench, fields)
+    check_prompt_format(cfg.model, cfg.prompt_format, cfg.system_prompt)  # a chat format needs a chat template
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
         has_ckpt = latest_checkpoint(run_dir) is not None
