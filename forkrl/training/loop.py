@@ -378,6 +378,7 @@ class _Session:
         res.update(per_set_means(self.eval_sets or [], per_prompt))  # eval_accuracy_<benchmark>
         res["time_eval_s"] = time.perf_counter() - t0
         self.sink.write(step, res, kind="eval")
+        self.sink.write_benchmarks(step, res, [name for name, _ in self.eval_sets or []])  # a table to TB / W&B
         self.sink.write_eval_prompts(step, per_prompt)
         self.run.event("EVAL", f"eval on {len(self.eval_problems)} prompts", step=step, values=res)
 

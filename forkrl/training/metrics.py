@@ -63,6 +63,13 @@ class MetricsSink:
         for log in self.loggers:
             log.table(name, columns, rows, step)
 
+    def write_benchmarks(self, step: int, values: dict[str, float], names: Sequence[str]) -> None:
+        """The in-training eval over benchmark files as a table (benchmark x accuracy at T, greedy accuracy) to the
+        loggers, from the `eval_accuracy_<name>` values (per_set_means); nothing without named benchmarks."""
+        rows = [[n, values.get(f"eval_accuracy_{n}"), values.get(f"eval_greedy_accuracy_{n}")] for n in names if n]
+        if rows:
+            self.write_table("eval/benchmarks", ["benchmark", "eval_accuracy", "eval_greedy_accuracy"], rows, step)
+
     def write_eval_prompts(self, step: int, per_prompt: dict[str, list[float]]) -> None:
         """One line of `eval_prompts.jsonl`: each eval prompt's accuracy (same prompt order at every eval), what
         the paired bootstrap of the gain before -> after resamples (forkrl/training/curves.py)."""

@@ -34,6 +34,7 @@ def test_wandb_offline_writes_a_run_dir_beside_jsonl_and_tensorboard(tmp_path: P
     sink.write(1, {"reward_mean": 0.5, "loss": float("nan")})
     sink.write(1, {"eval_accuracy": 0.375, "eval_accuracy_aime24": 0.125}, kind="eval")  # the same step again
     sink.write_table("eval/avg@4", ["benchmark", "base", "final"], [["aime24", 0.1, 0.2]])
+    sink.write_benchmarks(1, {"eval_accuracy_aime24": 0.125, "eval_greedy_accuracy_aime24": 0.5}, ["aime24"])
     sink.close()
 
     lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -53,6 +54,8 @@ def test_wandb_offline_writes_a_run_dir_beside_jsonl_and_tensorboard(tmp_path: P
     assert b"train/loss" not in data  # a NaN is not logged (as TensorBoard)
     (table,) = wandb_run.glob("files/media/table/eval/avg@4_*.table.json")
     assert json.loads(table.read_text())["data"] == [["aime24", 0.1, 0.2]]
+    (bench,) = wandb_run.glob("files/media/table/eval/benchmarks_*.table.json")  # the in-training eval's table
+    assert json.loads(bench.read_text())["data"] == [["aime24", 0.125, 0.5]]
 
 
 def test_the_sink_builds_the_loggers_log_to_names(tmp_path: Path) -> None:
