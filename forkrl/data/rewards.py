@@ -18,12 +18,12 @@ Built in:
   the built-in tasks `sum3` and `add2`.
 - `countdown`: 1.0 for any valid solution of a countdown problem (forkrl/data/countdown.py: each step's
   arithmetic right, each number used at most once, the target reached), else 0.0.
-- `math_verify_reward`: the last `\\boxed{...}` of the completion (braces matched), checked against the
-  gold answer with math-verify, gold first (`verify` is not symmetric). Gold without `$` or `\\boxed`
-  is read as inline math ("1+x" as "$1+x$"); gold that math-verify cannot parse gives None. Grading
-  runs in a process pool: math-verify times out with SIGALRM, which works only in a main thread, and
-  sympy can hang. An item past `timeout_s` scores 0 and is counted; the pool is then replaced, so a
-  hung worker never blocks training.
+- `math_verify_reward`: the last `\\boxed{...}` of the completion (braces matched; under the prompt format
+  dapo, the last "Answer:" line instead: forkrl/data/prompts.py), checked against the gold answer with
+  math-verify, gold first (`verify` is not symmetric). Gold without `$` or `\\boxed` is read as inline math
+  ("1+x" as "$1+x$"); gold that math-verify cannot parse gives None. Grading runs in a process pool:
+  math-verify times out with SIGALRM, which works only in a main thread, and sympy can hang. An item past
+  `timeout_s` scores 0 and is counted; the pool is then replaced, so a hung worker never blocks training.
 
 `get_reward_fn("exact_match" | "countdown" | "math_verify" | "module:function")` resolves a name.
 """
@@ -293,10 +293,26 @@ def _grader() -> MathVerifyGrader:
 
 
 def math_verify_reward(
-    completions: list[str], problems: list[Problem], timeout_s: float | None = None
+    completions: list[str], problems: list[Problem], timeout_s: float | None = None, answer: str = "boxed"
 ) -> RewardResult:
+    """`answer`: where the completion's answer is: "boxed" (the last \\boxed{}) or "answer_line" (DAPO's last
+    "Answer: ..." line, forkrl/data/prompts.py: read here, graded as if it were boxed; none scores 0 and is
+    counted as `no_answer_line`)."""
     _check_lengths(completions, problems)
-    return _grader().grade(completions, [p.answer for p in problems], timeout_s=timeout_s)
+    golds = [p.answer for p in problems]
+    if answer == "boxed":
+        return _grader().grade(completions, golds, timeout_s=timeout_s)
+    if answer != "answer_line":
+        raise ValueError(f"answer must be boxed or answer_line, got {answer!r}")
+    from forkrl.data.prompts import answer_line
+
+    lines = [answer_line(c) for c in completions]
+    has = [i for i, v in enumerate(lines) if v is not None]
+    result = _grader().grade([f"\\boxed{{{lines[i]}}}" for i in has], [golds[i] for i in has], timeout_s=timeout_s)
+    rewards: list[float | None] = [0.0] * len(completions)
+    for i, r in zip(has, result.rewards, strict=True):
+        rewards[i] = r
+    return RewardResult(rewards, {**result.counters, "no_answer_line": len(completions) - len(has)})
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {

@@ -2,7 +2,7 @@
 a running rollout service. Only the sampling moves; entropy and gradients stay teacher-forced in the trainer's
 fp32 math (`forkrl.probe.sampling.token_stats`, `forkrl.probe.gradients`).
 
-    ids = encode_prompts(tok, [p.prompt for p in problems], chat_template=False)
+    ids = encode_prompts(tok, problems, "raw")    # the prompt format: forkrl/data/prompts.py
     trajs = sample_with_vllm(ckpt_dir, ids, group_size=2, temperature=1.0, max_new_tokens=512, seed=0,
                              eos_ids=[2])                           # in-process vllm.LLM, float32
     trajs = sample_with_rollout("127.0.0.1:50051", ids, group_size=2, ...)   # a running rollout service
@@ -32,6 +32,8 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from forkrl.data.prompts import PromptEncoder
+from forkrl.data.tasks import Problem
 from forkrl.models.sampling import trim_at_eos
 from forkrl.probe.sampling import Trajectory
 from forkrl.seeds import sample_seed
@@ -50,19 +52,14 @@ def resolve_sampler(name: str) -> str:
     return name
 
 
-def encode_prompts(tok, prompts: Sequence[str], *, chat_template: bool) -> list[list[int]]:
-    """Token ids of each prompt: the plain encoding (with the tokenizer's special tokens, as training does),
-    or with `chat_template` the prompt as one user message through tok.apply_chat_template with the
-    generation prompt added (the template's text is encoded without extra special tokens)."""
-    if not chat_template:
-        return [list(tok(p)["input_ids"]) for p in prompts]
-    if not getattr(tok, "chat_template", None):
-        raise ValueError("chat_template: the checkpoint's tokenizer has no chat template")
-    out = []
-    for p in prompts:
-        text = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        out.append(list(tok(text, add_special_tokens=False)["input_ids"]))
-    return out
+def encode_prompts(tok, prompts: Sequence[str | Problem], prompt_format: str = "raw", system_prompt: str = "", *,
+                   chat_template: bool = False) -> list[list[int]]:
+    """Token ids of each prompt (a text or a Problem) in a prompt format, exactly as training encodes them
+    (forkrl.data.prompts.PromptEncoder): raw = the plain encoding with the tokenizer's special tokens; chat =
+    the prompt as one user message (or a problem's own messages) through the chat template with the generation
+    prompt added. `chat_template=True` is the older spelling of prompt_format "chat"."""
+    enc = PromptEncoder(tok, "chat" if chat_template else prompt_format, system_prompt)
+    return enc.encode([p if isinstance(p, Problem) else Problem(p, "") for p in prompts])
 
 
 def _rows(prompt_ids: Sequence[Sequence[int]], group_size: int) -> list[tuple[int, int, list[int]]]:
@@ -95,6 +92,7 @@ def sample_with_vllm(
     max_new_tokens: int,
     seed: int,
     eos_ids: Iterable[int],
+    top_p: float = 1.0,
     ignore_eos: bool = False,
     check: Callable[[], None] | None = None,
     notes: list[str] | None = None,
@@ -143,7 +141,7 @@ def sample_with_vllm(
     try:
         params = [
             SamplingParams(
-                n=1, temperature=temperature, top_p=1.0, top_k=-1, seed=sample_seed(seed, i, g),
+                n=1, temperature=temperature, top_p=top_p, top_k=-1, seed=sample_seed(seed, i, g),
                 max_tokens=max(1, min(max_new_tokens, max_len - len(ids))), detokenize=False,
                 stop_token_ids=None if ignore_eos else eos, ignore_eos=ignore_eos,
             )  # fmt: skip
@@ -169,6 +167,7 @@ def sample_with_rollout(
     max_new_tokens: int,
     seed: int,
     eos_ids: Iterable[int],
+    top_p: float = 1.0,
     timeout_s: float = 3600.0,
 ) -> list[Trajectory]:
     """`group_size` samples per prompt from a running rollout service (whose model must be the probed
@@ -181,7 +180,7 @@ def sample_with_rollout(
     with RolloutClient(address, timeout_s=timeout_s) as client:
         client.wait_ready(timeout_s=min(timeout_s, 300.0))
         for t in client.generate([list(p) for p in prompt_ids], n=group_size, temperature=temperature,
-                                 max_new_tokens=max_new_tokens, seed=seed):  # fmt: skip
+                                 top_p=top_p, max_new_tokens=max_new_tokens, seed=seed):  # fmt: skip
             got[(int(t.prompt_index), int(t.sample_index))] = list(t.completion_token_ids)
     missing = [(i, g) for i, g, _ in rows if (i, g) not in got]
     if missing:

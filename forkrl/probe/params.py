@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from forkrl.data.prompts import PromptFormat, check_format_options
 from forkrl.data.tasks import SPLITS
 
 __all__ = [
@@ -99,7 +100,12 @@ class ProbeParams(BaseModel):
     task: str = ""
     """Built-in task; empty = the default task (or $RL_DATASET_PATH)."""
     dataset: str = ""
-    """JSONL dataset of prompts and answers (instead of task); '{split}' in the path is replaced by split."""
+    """Dataset of prompts and answers (instead of task): a JSONL or Parquet file or a `datasets` folder, as in
+    training; '{split}' in the path is replaced by split."""
+    prompt_field: str = Field(default="", max_length=256)
+    """Dataset field of the prompt, dotted for a nested one; empty = auto-detection (as in training)."""
+    answer_field: str = Field(default="", max_length=256)
+    """Dataset field of the gold answer, dotted for a nested one; empty = auto-detection (as in training)."""
     split: Split = "train"
     """Which split the prompts come from."""
     reward: str = ""
@@ -122,9 +128,15 @@ class ProbeParams(BaseModel):
     always teacher-forced in fp32 by the trainer's math, whichever samples."""
     rollout_address: str = ""
     """host:port of the rollout service (sampler rollout only)."""
+    prompt_format: PromptFormat = "raw"
+    """How a problem becomes the prompt, as in training (forkrl/data/prompts.py): raw, chat (the tokenizer's
+    chat template), dapo / boxed (a math template in the chat template), dapo_plain / boxed_plain; use the
+    run's own."""
+    system_prompt: str = Field(default="", max_length=65536)
+    """System message of the chat formats; empty = none."""
     chat_template: bool = False
-    """Wrap each prompt as one user message with the tokenizer's chat template (generation prompt added),
-    for instruct models; off = the plain prompt text, as in training."""
+    """The older name of prompt_format chat: wrap each prompt as one user message with the tokenizer's chat
+    template (generation prompt added)."""
 
     # ---- bins and positions
     entropy_bins: int = Field(default=5, ge=1, le=100)
@@ -213,4 +225,10 @@ class ProbeParams(BaseModel):
             raise ValueError("rollout_address is only used with sampler rollout")
         if self.task and self.dataset:
             raise ValueError("task and dataset are mutually exclusive: give one")
+        if self.chat_template:  # the older flag: the same as prompt_format chat
+            if self.prompt_format not in ("raw", "chat"):
+                raise ValueError(f"chat_template is prompt_format chat; it contradicts prompt_format "
+                                 f"{self.prompt_format!r}: give one")
+            self.prompt_format = "chat"
+        check_format_options(self.prompt_format, self.system_prompt)
         return self

@@ -124,7 +124,7 @@ class CheckpointProbe:
 
         t0 = time.perf_counter()
         trajs = self._sample(model, tok, eos, pad)
-        grade(trajs, tok, self.problems, self.reward)
+        grade(trajs, tok, self.problems, self.reward, prompt_format=p.prompt_format)
         self._timed("sample", t0)
         prog.advance(1, f"{ref.label}: sampled {len(trajs)} responses ({self.sampler})")
 
@@ -188,7 +188,7 @@ class CheckpointProbe:
     def _sample(self, model, tok, eos: list[int], pad: int) -> list[Trajectory]:
         """Responses from the job's sampler (forkrl.probe.engines); prompt-major, cut after the first EOS."""
         p = self.p
-        ids = encode_prompts(tok, [q.prompt for q in self.problems], chat_template=p.chat_template)
+        ids = encode_prompts(tok, self.problems, p.prompt_format, p.system_prompt)  # as training encodes them
         kw = dict(group_size=p.num_samples, temperature=p.temperature, max_new_tokens=self.max_new, seed=p.seed,
                   eos_ids=eos)  # fmt: skip
         if self.sampler == "vllm":

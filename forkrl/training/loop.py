@@ -35,6 +35,7 @@ cursor of the last trained batch. With k = 0 the loop below is the sync loop, un
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -46,13 +47,14 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from forkrl.data.datasets import load_problems
+from forkrl.data.datasets import Fields, load_eval_sets, load_problems
 from forkrl.data.order import DataOrder
-from forkrl.data.rewards import RewardFn, get_reward_fn
+from forkrl.data.prompts import PromptEncoder, run_reward_fn
+from forkrl.data.rewards import RewardFn
 from forkrl.data.tasks import Problem
 from forkrl.rl.step import StepStopped
 from forkrl.training.config import RunConfig
-from forkrl.training.metrics import MetricsSink
+from forkrl.training.metrics import MetricsSink, per_set_means
 from forkrl.training.pipeline import AheadCollector, staleness
 from forkrl.training.policy import NonFiniteWeights, Policy, load_policy
 from forkrl.training.ranks import RankLink, UpdatePayload
@@ -130,17 +132,24 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
          token: str | None, rollout_wait_s: float) -> None:
     policy = load_policy(cfg, run_dir, device)
     run.start_step = run.step = policy.start_step
-    sink = MetricsSink(run_dir, tensorboard)
+    rid = lease_id(run_dir, run.run_id, cfg.resume)
+    sink = MetricsSink.for_run(run_dir, cfg, rid, tensorboard)  # --log-to: jsonl + TensorBoard / W&B
     if policy.resumed:
         sink.drop_after(policy.start_step)  # lines of steps after the checkpoint: those steps run again
-    train_problems = load_problems(cfg.task or None, cfg.dataset or None, "train", TRAIN_POOL, cfg.seed)
-    eval_problems = load_problems(cfg.task or None, cfg.dataset or None, "eval", cfg.eval_prompts, cfg.seed) \
-        if cfg.eval_prompts else []
+    # a dataset: every train problem, read lazily (forkrl/data/datasets.py); a task: a generated pool
+    fields = Fields(cfg.prompt_field, cfg.answer_field)
+    train_problems = load_problems(cfg.task or None, cfg.dataset or None, "train",
+                                   None if cfg.dataset else TRAIN_POOL, cfg.seed, fields)
+    eval_sets = load_eval_sets(cfg.task or None, cfg.dataset or None, cfg.eval_dataset, cfg.eval_prompts, cfg.seed,
+                               fields)
+    # the trainer formats and tokenizes; the rollout service samples from exactly these ids (forkrl/data/prompts.py)
+    encoder = PromptEncoder(copy.deepcopy(policy.tokenizer), cfg.prompt_format, cfg.system_prompt)  # own copy
     s = _Session(run, cfg, policy, DataOrder(train_problems, cfg.seed, policy.data_cursor),
-                 get_reward_fn(cfg.reward), sink,
-                 Rollouts(cfg.rollout_addresses, token, lease_id(run_dir, run.run_id, cfg.resume)), eval_problems,
+                 run_reward_fn(cfg.reward, cfg.prompt_format), sink,
+                 Rollouts(cfg.rollout_addresses, token, rid), [p for _, ps in eval_sets for p in ps],
                  link, wait_s=rollout_wait_s, trained_step=policy.start_step, saved_step=policy.start_step,
-                 trained_cursor_at=policy.data_cursor)
+                 trained_cursor_at=policy.data_cursor, encode=encoder.encode,
+                 eval_sets=[(name, len(ps)) for name, ps in eval_sets])
     try:
         _steps(s)
     except NonFiniteWeights as e:  # never pushed, never saved, also not by save_on_failure
@@ -264,6 +273,8 @@ class _Session:
     saved_step: int = 0  # the step of the last checkpoint written
     pending: tuple[int, dict[str, float]] | None = None  # a trained step whose metrics are not written yet
     bad_steps: int = 0  # consecutive steps whose every update was skipped (non-finite loss or gradients)
+    encode: Callable[[Any], list[list[int]]] | None = None  # problems -> prompt token ids (the prompt format)
+    eval_sets: list[tuple[str, int]] | None = None  # (benchmark name, prompts) in eval_problems order
 
     @property
     def trained_cursor(self) -> int:
@@ -272,7 +283,7 @@ class _Session:
 
     def collect_ahead(self, step: int) -> tuple[ScoredBatch, int]:
         """The sampler thread's job for `step` (async): its batch and the data cursor after it."""
-        scored = collect_batch(self.rollouts, self.data, self.reward_fn, self.cfg, step,
+        scored = collect_batch(self.rollouts, self.data, self.reward_fn, self.cfg, step, self.encode,
                                stop=self.run.stop_requested.is_set)
         return scored, self.data.cursor
 
@@ -296,7 +307,7 @@ class _Session:
         cursor = self.data.cursor
         try:
             scored = collect_batch(self.rollouts, self.data, self.reward_fn, self.cfg, step,  # + dynamic sampling
-                                   stop=self.run.stop_requested.is_set)
+                                   self.encode, stop=self.run.stop_requested.is_set)
             foreign = sum(t.policy_version != self.version for t in scored.trajectories)
             if foreign:
                 self.foreign_batches += 1
@@ -443,11 +454,14 @@ class _Session:
         try:
             res = self.resilient(f"the evaluation at step {step}",
                                  lambda: evaluate(self.rollouts, self.reward_fn, self.eval_problems, self.cfg,
-                                                  per_prompt=per_prompt, stop=self.run.stop_requested.is_set))
+                                                  per_prompt=per_prompt, encode=self.encode,
+                                                  stop=self.run.stop_requested.is_set))
         except SamplingStopped:
             return
+        res.update(per_set_means(self.eval_sets or [], per_prompt))  # eval_accuracy_<benchmark>
         res["time_eval_s"] = time.perf_counter() - t0
         self.sink.write(step, res, kind="eval")
+        self.sink.write_benchmarks(step, res, [name for name, _ in self.eval_sets or []])  # a table to TB / W&B
         self.sink.write_eval_prompts(step, per_prompt)
         self.run.event("EVAL", f"eval on {len(self.eval_problems)} prompts", step=step, values=res)
 
