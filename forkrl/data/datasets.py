@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
 
-from forkrl.data.rewards import last_boxed_only_string, remove_boxed
+from forkrl.data.answers import last_boxed_only_string, remove_boxed
 from forkrl.data.tasks import DEFAULT_TASK, SPLITS, Problem, make_split, split_of
 
 DATASET_ENV = "RL_DATASET_PATH"

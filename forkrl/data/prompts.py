@@ -31,14 +31,15 @@ Imports nothing heavy (the CLIs' --help): transformers is only needed by `check_
 from __future__ import annotations
 
 import functools
-import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from forkrl.data.answers import answer_line, extract_answer, last_boxed_only_string, remove_boxed
 from forkrl.data.problem import Problem
+from forkrl.data.rewards import get_reward_fn, math_verify_reward
 
 PromptFormat = Literal["raw", "chat", "dapo", "dapo_plain", "boxed", "boxed_plain"]
 AnswerStyle = Literal["boxed", "answer_line"]
@@ -49,8 +50,6 @@ DAPO_TEMPLATE = (
     'Remember to put your answer on its own line after "Answer:".'
 )
 BOXED_TEMPLATE = "{prompt} Please reason step by step, and put your final answer within \\boxed{}."
-ANSWER_LINE_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")  # DAPO's (verl math_dapo.py)
-ANSWER_LINE_TAIL = 300  # DAPO looks at the last 300 characters only
 
 
 @dataclass(frozen=True)
@@ -168,16 +167,6 @@ def check_prompt_format(model_dir: str | Path, prompt_format: str, system_prompt
 # ---- the answer: what the reward reads ----------------------------------------------------------------------
 
 
-def answer_line(text: str) -> str | None:
-    """DAPO's answer: the text after the last "Answer:" in the last 300 characters (to the end of its line),
-    surrounding `$` and whitespace stripped; None when there is none."""
-    found = ANSWER_LINE_RE.findall(text[-ANSWER_LINE_TAIL:])
-    if not found:
-        return None
-    value = found[-1].strip().strip("$").strip()
-    return value or None
-
-
 def check_reward_format(reward: str, prompt_format: str) -> None:
     """ValueError when the reward would not read the answer where the format asks the model to put it."""
     spec = format_spec(prompt_format)
@@ -190,8 +179,6 @@ def check_reward_format(reward: str, prompt_format: str) -> None:
 def run_reward_fn(reward: str, prompt_format: str = "raw"):
     """The reward function of a run: `get_reward_fn(reward)`, with math_verify reading the answer where the
     format puts it. A custom reward ("module:function") reads the answer itself."""
-    from forkrl.data.rewards import get_reward_fn, math_verify_reward
-
     check_reward_format(reward, prompt_format)
     fn = get_reward_fn(reward)
     if reward == "math_verify" and format_spec(prompt_format).answer == "answer_line":
@@ -202,9 +189,6 @@ def run_reward_fn(reward: str, prompt_format: str = "raw"):
 def final_answer(text: str, reward: str, prompt_format: str = "raw") -> str | None:
     """The answer a completion gives, as the run's reward reads it (what maj@k votes on); None when it gives
     none or the reward is a custom one (its extraction is unknown here). Whitespace removed."""
-    from forkrl.data.rewards import last_boxed_only_string, remove_boxed
-    from forkrl.data.tasks import extract_answer
-
     if reward in TASK_REWARDS:
         value = extract_answer(text)
     elif reward == "math_verify":

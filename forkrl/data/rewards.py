@@ -40,26 +40,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from forkrl.data.answers import answer_line, extract_answer, last_boxed_only_string
 from forkrl.data.countdown import countdown_reward
-from forkrl.data.tasks import Problem, extract_answer
+from forkrl.data.problem import Problem, RewardFn, RewardResult
 
 DEFAULT_TIMEOUT_S = 15.0  # math-verify's own alarms are 5 s for parsing and 5 s for verifying
 WARM_UP_TIMEOUT_S = 120  # math-verify's alarms while a new worker warms up (before any item's clock starts)
 
 
-@dataclass
-class RewardResult:
-    rewards: list[float | None]
-    counters: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def timeouts(self) -> int:
-        return self.counters.get("timeouts", 0)
-
-
-RewardFn = Callable[[list[str], list[Problem]], RewardResult]
 
 
 def _check_lengths(completions: list[str], problems: list[Problem]) -> None:
@@ -76,41 +65,6 @@ def exact_match(completions: list[str], problems: list[Problem]) -> RewardResult
         no_answer += pred is None
         rewards.append(1.0 if pred is not None and pred == problem.answer.strip() else 0.0)
     return RewardResult(rewards, {"no_answer": no_answer})
-
-
-def last_boxed_only_string(text: str) -> str | None:
-    """The last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces matched, including the command; the
-    `\\boxed 5` form without braces runs to the next `$` or whitespace. None when there is none or its
-    braces do not close."""
-    idx = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if idx < 0:
-        return None
-    command = "\\boxed" if text.startswith("\\boxed", idx) else "\\fbox"
-    rest = text[idx + len(command) :]
-    if rest.startswith(" "):
-        value = rest.lstrip(" ").split("$", 1)[0].split()
-        return f"{command} {value[0]}" if value else None
-    if not rest.startswith("{"):
-        return None
-    depth = 0
-    for i, ch in enumerate(rest):
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return command + rest[: i + 1]
-    return None
-
-
-def remove_boxed(boxed: str) -> str:
-    """`\\boxed{x}` -> `x` (also `\\fbox{x}` and `\\boxed x`)."""
-    for command in ("\\boxed", "\\fbox"):
-        if boxed.startswith(command + "{") and boxed.endswith("}"):
-            return boxed[len(command) + 1 : -1]
-        if boxed.startswith(command + " "):
-            return boxed[len(command) + 1 :]
-    raise ValueError(f"not a boxed expression: {boxed!r}")
 
 
 # ---- math-verify, in worker processes ------------------------------------------------------------
@@ -304,8 +258,6 @@ def math_verify_reward(
         return _grader().grade(completions, golds, timeout_s=timeout_s)
     if answer != "answer_line":
         raise ValueError(f"answer must be boxed or answer_line, got {answer!r}")
-    from forkrl.data.prompts import answer_line
-
     lines = [answer_line(c) for c in completions]
     has = [i for i, v in enumerate(lines) if v is not None]
     result = _grader().grade([f"\\boxed{{{lines[i]}}}" for i in has], [golds[i] for i in has], timeout_s=timeout_s)

@@ -15,14 +15,17 @@ def _modules(top: str) -> list[Path]:
     return sorted(p for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module name an import statement in `path` names (absolute imports; relative ones are in-package)."""
+def _imports(path: Path, submodules: bool = False) -> set[str]:
+    """Every module name an import statement in `path` names (absolute imports; relative ones are in-package);
+    with `submodules`, also `pkg.name` for each `from pkg import name` (it may be a module)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            if submodules:
+                names.update(f"{node.module}.{a.name}" for a in node.names)
     return names
 
 
@@ -40,6 +43,38 @@ def test_the_core_imports_no_service_and_no_server(path: Path) -> None:
 def test_the_rl_math_imports_no_other_room(path: Path) -> None:
     bad = {m for m in _imports(path) if m.startswith("forkrl") and not m.startswith("forkrl.rl")}
     assert not bad, f"{_rel(path)} imports {sorted(bad)}: forkrl/rl is pure math"
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (module -> the modules it imports), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+@pytest.mark.parametrize("room", ["forkrl/data", "forkrl/rl", "forkrl/training", "forkrl/weights", "forkrl/probe"])
+def test_a_room_of_the_core_has_no_import_cycle(room: str) -> None:
+    # every import counts, also one inside a function (a lazy import hides a cycle, it does not remove it)
+    dotted = room.replace("/", ".")
+    mods = {f"{dotted}.{p.stem}": p for p in _modules(room) if p.stem != "__init__"}
+    graph = {name: {m for m in _imports(p, submodules=True) if m in mods} for name, p in mods.items()}
+    assert _cycle(graph) is None, f"{room} has an import cycle: {' -> '.join(_cycle(graph) or [])}"
 
 
 @pytest.mark.parametrize("service", SERVICES)

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from forkrl.data.answers import answer_line
 from forkrl.data.prompts import (
     BOXED_TEMPLATE,
     DAPO_TEMPLATE,
     FORMATS,
     PromptEncoder,
-    answer_line,
     apply_template,
     check_prompt_format,
     check_reward_format,
