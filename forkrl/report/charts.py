@@ -7,13 +7,15 @@ SVG text to inline in the page, so the page needs no file and makes no request.
 Every series is one SVG group with the id "<chart id>--<series key>" (matplotlib writes an artist's gid as the id
 of its group), holding its line and, up to MAX_MARKERS points, one marker (`<use>`) per data point: what the
 browser test counts against metrics.jsonl. Ids of the markers and clip paths are salted with the chart id
-(svg.hashsalt), so charts inlined in one page never share an id.
+(svg.hashsalt) and matplotlib's numbered group ids are prefixed with it, so charts inlined in one page never share
+an id.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +24,7 @@ __all__ = ["MAX_MARKERS", "Chart", "Series", "bar_chart", "histogram_chart", "li
 MAX_MARKERS = 400  # series with more points are drawn as a line only (a marker per point would bloat the page)
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
           "#17becf")
+_AUTO_ID = re.compile(r' id="([A-Za-z][\w.]*_\d+)"')
 _RC = {"svg.fonttype": "none", "font.size": 8, "axes.titlesize": 9, "legend.fontsize": 7,
        "font.family": "sans-serif", "axes.spines.top": False, "axes.spines.right": False}
 
@@ -57,7 +60,9 @@ def _svg(fig, chart_id: str) -> str:  # noqa: ANN001 (a matplotlib Figure)
     with matplotlib.rc_context({"svg.hashsalt": chart_id}):
         fig.savefig(buf, format="svg", metadata={"Date": None})
     text = buf.getvalue()
-    return text[text.index("<svg"):]  # the prolog and DOCTYPE name a DTD: not for inline SVG
+    text = text[text.index("<svg"):]  # the prolog and DOCTYPE name a DTD: not for inline SVG
+    # matplotlib numbers its groups per figure (figure_1, axes_1, line2d_1...): prefix them, one page holds many
+    return _AUTO_ID.sub(lambda m: f' id="{chart_id}-{m.group(1)}"', text)
 
 
 def _figure(size: tuple[float, float]):  # noqa: ANN202

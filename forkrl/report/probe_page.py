@@ -28,6 +28,9 @@ from forkrl.report.render import entropy_scale, render
 __all__ = ["EXAMPLES_PER_BIN", "probe_context", "render_probe_report", "write_probe_report"]
 
 EXAMPLES_PER_BIN = 6  # example tokens per checkpoint x entropy bin (half correct, half incorrect when there are)
+# the settings the page names, as a job of an older forkrl may lack some
+SETTINGS_SHOWN = {k: None for k in ("task", "dataset", "num_prompts", "num_samples", "temperature", "entropy_bins",
+                                    "max_positions_per_group", "layer_indices", "row_spec", "bootstrap")}
 CI_KEY = "grad_norm.median"  # the statistic charted, and its interval in a result's ci95
 
 PLAIN_CAVEAT = (
@@ -132,7 +135,7 @@ def probe_context(job_dir: Path) -> dict[str, Any]:
     charts = grad_charts(summary)
     return {"title": f"forkrl probe job {job_dir.name}", "job_dir": str(job_dir), "summary": summary,
             "caveat": summary.get("caveat", ""), "plain_caveat": PLAIN_CAVEAT, "checkpoints": ckpts,
-            "settings": summary.get("settings", {}), "grads": charts, "overlap": overlap, "examples": example_view,
+            "settings": {**SETTINGS_SHOWN, **summary.get("settings", {})}, "grads": charts, "overlap": overlap, "examples": example_view,
             "has_context": any("context_before" in r for b in ex.values() for rs in b.values() for r in rs),
             "scale": scale, "charts": [g["chart"] for g in charts if g["chart"] is not None]}
 
