@@ -135,7 +135,8 @@ def probe_context(job_dir: Path) -> dict[str, Any]:
     charts = grad_charts(summary)
     return {"title": f"forkrl probe job {job_dir.name}", "job_dir": str(job_dir), "summary": summary,
             "caveat": summary.get("caveat", ""), "plain_caveat": PLAIN_CAVEAT, "checkpoints": ckpts,
-            "settings": {**SETTINGS_SHOWN, **summary.get("settings", {})}, "grads": charts, "overlap": overlap, "examples": example_view,
+            "settings": {**SETTINGS_SHOWN, **summary.get("settings", {})}, "grads": charts, "overlap": overlap,
+            "examples": example_view,
             "has_context": any("context_before" in r for b in ex.values() for rs in b.values() for r in rs),
             "scale": scale, "charts": [g["chart"] for g in charts if g["chart"] is not None]}
 
