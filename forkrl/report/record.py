@@ -110,6 +110,16 @@ class EvalRecorder:
         self.run_dir, self.cfg, self.policy, self.link = Path(run_dir), cfg, policy, link
         self._rendered: tuple | None = None
         self._announced = False
+        if getattr(policy, "resumed", False):  # a resume runs the steps after its checkpoint again
+            self.drop_after(policy.start_step)
+
+    def drop_after(self, step: int) -> list[Path]:
+        """Remove the samples of eval steps after `step` (as MetricsSink.drop_after does with their metrics lines);
+        returns the files removed."""
+        gone = [f for f in (self.run_dir / SAMPLES_DIR).glob("step_*.jsonl") if int(f.stem.split("_")[1]) > step]
+        for f in gone:
+            f.unlink()
+        return gone
 
     def record(self, step: int, problems: Sequence[Any], sampled: Sequence[tuple[Sequence[Any], Sequence[Any]]]
                ) -> dict[str, float]:

@@ -32,6 +32,7 @@ __all__ = ["REPORT_FILE", "render_run_report", "run_context", "write_run_report"
 
 REPORT_FILE = "report.html"
 TOP_RANKED = 30  # rows of the kept-token table; the cloud shows as many
+MAX_PAGE_EVALS = 12  # eval steps whose responses the page shows token by token: the first, the last, spread between
 
 # (chart id, title, y label, [(kind, metric or "prefix*", label)], options): a series per metric present
 CURVES: list[tuple[str, str, str, list[tuple[str, str, str]], dict[str, Any]]] = [
@@ -128,20 +129,25 @@ def _token_view(r: dict, scale: Any) -> dict[str, Any]:
     return {**r, "toks": toks, "n_kept": sum(t["kept"] for t in toks)}
 
 
+def spread(n: int, k: int) -> list[int]:
+    """k indices of range(n) spread evenly, the first and the last included (all of them when n <= k)."""
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
 def samples_section(run: RunData) -> dict[str, Any] | None:
     if not run.samples:
         return None
-    all_h = [h for s in run.samples for r in s.responses for h in r["entropy"]]
-    scale = entropy_scale(all_h)
+    shown = [run.samples[i] for i in spread(len(run.samples), MAX_PAGE_EVALS)]  # the page's size stays bounded
+    scale = entropy_scale([h for s in shown for r in s.responses for h in r["entropy"]])
     steps = []
-    for i, s in enumerate(run.samples):
+    for s in shown:
         ev = run.eval_at(s.step) or {}
-        steps.append({"step": s.step, "eval_accuracy": ev.get("eval_accuracy"), "open": i == len(run.samples) - 1,
+        steps.append({"step": s.step, "eval_accuracy": ev.get("eval_accuracy"), "open": s is shown[-1],
                       "summary": s.summary, "responses": [_token_view(r, scale) for r in s.responses]})
-    first, last = run.samples[0], run.samples[-1]
-    top_frac = last.summary.get("top_frac")
-    return {"steps": steps, "scale": scale, "kept_marked": sum(s.kept_shown for s in run.samples),
-            "top_frac": top_frac, "first_step": first.step, "last_step": last.step}
+    return {"steps": steps, "scale": scale, "kept_marked": sum(s.kept_shown for s in shown),
+            "top_frac": run.samples[-1].summary.get("top_frac"), "n_evals": len(run.samples)}
 
 
 def tokens_section(run: RunData) -> dict[str, Any] | None:

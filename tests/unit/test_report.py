@@ -315,3 +315,17 @@ def test_report_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(tmp_path / "job")]) == 0 and (tmp_path / "job" / "report.html").is_file()
     assert main([str(tmp_path)]) == 2
     assert "neither metrics.jsonl" in capsys.readouterr().err
+
+
+def test_the_page_spreads_its_eval_steps_and_a_resume_drops_later_samples(tmp_path: Path) -> None:
+    from forkrl.report.run_page import spread
+
+    assert spread(3, 12) == [0, 1, 2]
+    picked = spread(100, 12)
+    assert len(picked) == 12 and picked[0] == 0 and picked[-1] == 99 and picked == sorted(set(picked))
+    for step in (0, 10, 20, 30):
+        samples_file(tmp_path, step).parent.mkdir(exist_ok=True)
+        samples_file(tmp_path, step).write_text("{}\n")
+    policy = SimpleNamespace(resumed=True, start_step=10)
+    EvalRecorder(tmp_path, SimpleNamespace(), policy)  # a resume from step 10 runs steps 11.. (and their evals) again
+    assert sorted(p.name for p in (tmp_path / "eval_samples").iterdir()) == ["step_000000.jsonl", "step_000010.jsonl"]
