@@ -73,7 +73,7 @@ def _figure(size: tuple[float, float]):  # noqa: ANN202
 
 def line_chart(chart_id: str, title: str, series: Sequence[Series], ylabel: str, *, xlabel: str = "step",
                logy: bool = False, ylim: tuple[float, float] | None = None, note: str = "",
-               size: tuple[float, float] = (5.0, 2.7)) -> Chart | None:
+               size: tuple[float, float] = (6.0, 2.7)) -> Chart | None:
     """One chart of several series; None when no series has a finite point."""
     import matplotlib
     from matplotlib.ticker import MaxNLocator
@@ -111,7 +111,8 @@ def line_chart(chart_id: str, title: str, series: Sequence[Series], ylabel: str,
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.25)
-        ax.legend(loc="best", frameon=False, ncol=2 if len(drawn) > 4 else 1)
+        # beside the axes, where it hides no line
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0)
         return Chart(chart_id, title, _svg(fig, chart_id), points, note)
 
 
@@ -129,7 +130,7 @@ def histogram_chart(chart_id: str, title: str, edges: Sequence[float], hists: Se
     cmap = colormaps["viridis"]
     points: dict[str, int] = {}
     with matplotlib.rc_context(_RC):
-        fig = _figure((5.0, 2.9))
+        fig = _figure((6.0, 2.9))
         ax = fig.subplots()
         for i, (key, counts, below) in enumerate(hists):
             total = sum(counts) + below
@@ -144,7 +145,8 @@ def histogram_chart(chart_id: str, title: str, edges: Sequence[float], hists: Se
         ax.set_xlabel("token entropy (nats), log-spaced bins")
         ax.set_ylabel("share of tokens")
         ax.grid(alpha=0.25)
-        ax.legend(loc="best", frameon=False, ncol=1 + len(hists) // 8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0,
+                  ncol=1 + len(hists) // 12)
         return Chart(chart_id, title, _svg(fig, chart_id), points, note)
 
 
