@@ -213,6 +213,7 @@ class EvalRecorder:
         """write_report(), for the trainer: the first page's path goes out as a LOG event (`event`: the run's), and
         a page that cannot be rendered is logged as one and the run goes on (`python -m forkrl.report <run dir>`
         writes it again from the files)."""
+        t0 = time.perf_counter()
         try:
             path = self.write_report()
         except Exception as e:
@@ -222,4 +223,5 @@ class EvalRecorder:
             return
         if path is not None and not self._announced:
             self._announced = True
-            event("LOG", f"run report: {path} (rewritten at each evaluation and at the end)", path=str(path))
+            event("LOG", f"run report: {path} (written in {time.perf_counter() - t0:.1f} s; rewritten at each "
+                  "evaluation and at the end)", path=str(path))
