@@ -329,3 +329,14 @@ def test_the_page_spreads_its_eval_steps_and_a_resume_drops_later_samples(tmp_pa
     policy = SimpleNamespace(resumed=True, start_step=10)
     EvalRecorder(tmp_path, SimpleNamespace(), policy)  # a resume from step 10 runs steps 11.. (and their evals) again
     assert sorted(p.name for p in (tmp_path / "eval_samples").iterdir()) == ["step_000000.jsonl", "step_000010.jsonl"]
+
+
+def test_without_the_mask_the_page_says_so(tmp_path: Path) -> None:
+    from forkrl.report.run_page import render_run_report
+
+    run_dir = tmp_path / "run"
+    _write_run(run_dir, evals=())
+    cfg = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**cfg, "entropy_top_frac": None}))
+    html = render_run_report(run_dir)
+    assert "The mask is off" in html and "of the kept tokens but" not in html and 'id="class-table"' in html
