@@ -12,6 +12,7 @@ GET    /probe/{id}/records         token_probe_records.jsonl (?format=json for a
 GET    /probe/{id}/manifest        manifest.json
 GET    /probe/{id}/plot.png        ?checkpoint=<label>
 GET    /probe/{id}/overlap.png     the entropy-pattern overlap across checkpoints
+GET    /probe/{id}/report          the job's report: one self-contained HTML page (forkrl/report)
 DELETE /probe/{id}                 cancel (409 once finished)
 GET    /metrics                    Prometheus text
 GET    /healthz                    open; every other route needs `authorization: Bearer <token>` when the
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Match, Route, Router
@@ -253,7 +254,7 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
 
     def _status(job: Job, request: Request) -> JobStatus:
         base = str(request.url_for("job_status", job_id=job.id))
-        links = {"self": base, "records": f"{base}/records", "manifest": f"{base}/manifest"}
+        links = {"self": base, "records": f"{base}/records", "manifest": f"{base}/manifest", "report": f"{base}/report"}
         for c in (job.summary or {}).get("checkpoints", []):
             links[f"plot:{c['label']}"] = f"{base}/plot.png?checkpoint={c['label']}"
         if (job.summary or {}).get("entropy_pattern_overlap"):
@@ -345,6 +346,22 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
     def overlap_plot(job_id: str):
         """The entropy-pattern overlap across the job's checkpoints (jobs with frozen bins)."""
         return FileResponse(_output(_job(job_id), "entropy_overlap.png"), media_type="image/png")
+
+    @api.get("/probe/{job_id}/report", response_class=HTMLResponse, responses={
+        200: {"description": "the job's report: one self-contained HTML page (charts inline, nothing fetched)",
+              "content": {"text/html": {"schema": {"type": "string"}}}}, **_responses(404, 409)})
+    def report(job_id: str):
+        """Grad norm by entropy bin x correctness with the bootstrap intervals, the entropy-pattern overlap, the
+        caveat, example tokens of each bin in context. Rendered by the core (forkrl/report) on the first request
+        and kept in the job's directory (report.html): a finished job's files do not change."""
+        from forkrl.report.probe_page import write_probe_report
+
+        job = _job(job_id)
+        _output(job, "summary.json")
+        page = job.out_dir / "report.html"
+        if not page.is_file():
+            write_probe_report(job.out_dir, page)
+        return FileResponse(page, media_type="text/html")
 
     @api.delete("/probe/{job_id}", response_model=JobStatus, responses={
         202: {"description": "a running job: it stops at its next check", "model": JobStatus},

@@ -4,7 +4,8 @@
 
 The trainer service calls it in the run's own thread with the config already resolved by preflight(). Every
 step emits one metrics item (run.emit → WatchRun), one line of `metrics.jsonl` and TensorBoard scalars;
-checkpoints are written atomically (forkrl/weights/checkpoint.py).
+checkpoints are written atomically (forkrl/weights/checkpoint.py). Each evaluation also records a few eval
+responses token by token for the run report and rewrites <run_dir>/report.html (forkrl/report/record.py).
 
 Determinism: the data order is a seeded permutation walked by a cursor (forkrl/data/order.py), the sampling
 seed of step s is derived from (seed, s) and the rollout service derives each sample's seed from it. With the
@@ -52,6 +53,7 @@ from forkrl.data.order import DataOrder
 from forkrl.data.prompts import PromptEncoder, run_reward_fn
 from forkrl.data.rewards import RewardFn
 from forkrl.data.tasks import Problem
+from forkrl.report.record import EvalRecorder
 from forkrl.rl.step import StepStopped
 from forkrl.training.config import RunConfig
 from forkrl.training.metrics import MetricsSink, per_set_means
@@ -149,7 +151,8 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
                  Rollouts(cfg.rollout_addresses, token, rid), [p for _, ps in eval_sets for p in ps],
                  link, wait_s=rollout_wait_s, trained_step=policy.start_step, saved_step=policy.start_step,
                  trained_cursor_at=policy.data_cursor, encode=encoder.encode,
-                 eval_sets=[(name, len(ps)) for name, ps in eval_sets])
+                 eval_sets=[(name, len(ps)) for name, ps in eval_sets],
+                 recorder=EvalRecorder(run_dir, cfg, policy, link))  # the run report's eval samples
     try:
         _steps(s)
     except NonFiniteWeights as e:  # never pushed, never saved, also not by save_on_failure
@@ -163,6 +166,8 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
         s.rollouts.release()  # the lease, for the next run
         s.rollouts.close()  # and the shared-memory weights file of --weight-sync auto/shm
         s.sink.close()
+        if s.recorder is not None:
+            s.recorder.refresh(run.event)  # report.html, whatever the outcome
 
 
 def _steps(s: _Session) -> None:
@@ -275,6 +280,7 @@ class _Session:
     bad_steps: int = 0  # consecutive steps whose every update was skipped (non-finite loss or gradients)
     encode: Callable[[Any], list[list[int]]] | None = None  # problems -> prompt token ids (the prompt format)
     eval_sets: list[tuple[str, int]] | None = None  # (benchmark name, prompts) in eval_problems order
+    recorder: EvalRecorder | None = None  # eval samples and report.html (forkrl/report)
 
     @property
     def trained_cursor(self) -> int:
@@ -451,19 +457,27 @@ class _Session:
             return
         t0 = time.perf_counter()
         per_prompt: dict[str, list[float]] = {}
+        sampled: list = []  # each prompt's samples at T and rewards: the report's eval sample
+
+        def run_eval() -> dict[str, float]:
+            sampled.clear()  # a retried evaluation starts over
+            return evaluate(self.rollouts, self.reward_fn, self.eval_problems, self.cfg, per_prompt=per_prompt,
+                            encode=self.encode, stop=self.run.stop_requested.is_set, sampled=sampled)
+
         try:
-            res = self.resilient(f"the evaluation at step {step}",
-                                 lambda: evaluate(self.rollouts, self.reward_fn, self.eval_problems, self.cfg,
-                                                  per_prompt=per_prompt, encode=self.encode,
-                                                  stop=self.run.stop_requested.is_set))
+            res = self.resilient(f"the evaluation at step {step}", run_eval)
         except SamplingStopped:
             return
         res.update(per_set_means(self.eval_sets or [], per_prompt))  # eval_accuracy_<benchmark>
         res["time_eval_s"] = time.perf_counter() - t0
+        if self.recorder is not None:  # teacher-forced entropy and kept flags of a few responses (every rank)
+            res.update(self.recorder.record(step, self.eval_problems, sampled))
         self.sink.write(step, res, kind="eval")
         self.sink.write_benchmarks(step, res, [name for name, _ in self.eval_sets or []])  # a table to TB / W&B
         self.sink.write_eval_prompts(step, per_prompt)
         self.run.event("EVAL", f"eval on {len(self.eval_problems)} prompts", step=step, values=res)
+        if self.recorder is not None:
+            self.recorder.refresh(self.run.event)  # report.html
 
     def checkpoint(self, step: int, name: str, cursor: int | None = None) -> None:
         self.link.tell("checkpoint", str(self.run.run_dir), name)  # every rank writes its optimizer shards

@@ -14,6 +14,7 @@ needs every rank, just before doing it itself:
 | `update` (step, rewards and token ids) | `Policy.set_lr`, `Policy.update` | the same: `train_step` on its share |
 | `state` | `Policy.full_state()` for the push | `Policy.full_state()` (the finite check, the gather) |
 | `checkpoint` (run dir, name) | `Policy.save`: HF files + its AdamW shards | the same (DCP, its shards) |
+| `tokens` (token ids, temperature) | the run report's teacher-forced eval sample | the same forwards (FSDP2) |
 | `end` | the run is over (any outcome) | drops the policy |
 | `exit` | the service stops | returns |
 
@@ -145,6 +146,12 @@ def follow(device: str = "auto") -> None:
                     policy.save(Path(run_dir), name, None)
             except NonFiniteWeights as e:  # every rank found it (a reduced check): rank 0 fails the run
                 log.error("rank %d: %s: not %s", rank, e, "gathered" if op == "state" else "saved")
+        elif op == "tokens":  # the run report's eval sample (forkrl/report/record.py): join the sharded forwards
+            assert policy is not None, "tokens before start"
+            from forkrl.report.record import teacher_forced
+
+            seqs, temperature = args
+            teacher_forced(policy.model, seqs, temperature, policy.device)
         elif op == "end":
             policy = None
         elif op == "exit":

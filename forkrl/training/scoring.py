@@ -153,10 +153,13 @@ def collect_batch(rollouts: Rollouts, data: DataOrder, reward_fn: RewardFn, cfg:
 
 def evaluate(rollouts: Rollouts, reward_fn: RewardFn, problems: Sequence[Problem], cfg: RunConfig,
              samples: int = 4, per_prompt: dict[str, list[float]] | None = None,
-             encode: Encode | None = None, stop: Callable[[], bool] | None = None) -> dict[str, float]:
+             encode: Encode | None = None, stop: Callable[[], bool] | None = None,
+             sampled: list[tuple[list[Any], list[float | None]]] | None = None) -> dict[str, float]:
     """Accuracy on eval prompts through the rollout service: sampled at T (n=samples) and greedy. With
     `per_prompt` (a dict), also fills per_prompt[name] with each prompt's accuracy (fraction of its samples
-    correct, in `problems` order): what a paired bootstrap over prompts needs (forkrl/training/curves.py)."""
+    correct, in `problems` order): what a paired bootstrap over prompts needs (forkrl/training/curves.py). With
+    `sampled` (a list), also appends each prompt's (trajectories sampled at T, their rewards), in `problems`
+    order: what the run report records (forkrl/report/record.py)."""
     if not problems:
         return {}
     prompts = _prompts(problems, encode)
@@ -170,6 +173,9 @@ def evaluate(rollouts: Rollouts, reward_fn: RewardFn, problems: Sequence[Problem
         rewards = reward_fn([t.completion_text for t in flat], probs).rewards
         ok = [1.0 if r is not None and r > 0 else 0.0 for r in rewards]
         out[name] = sum(ok) / len(ok)
+        if sampled is not None and name == "eval_accuracy":
+            starts = list(accumulate((len(g) for g in groups), initial=0))
+            sampled += [(list(g), list(rewards[a:a + len(g)])) for g, a in zip(groups, starts, strict=False)]
         if per_prompt is not None:
             ends = list(accumulate(len(g) for g in groups))
             per_prompt[name] = [sum(ok[e - len(g):e]) / len(g) if g else 0.0 for g, e in zip(groups, ends, strict=True)]
