@@ -8,9 +8,9 @@ and verified in `staging.py`.
 
 Swap protocols (`swap_mode`):
 - "inplace" (default): the weights are applied between two engine steps with the requests in flight kept
-  scheduled and the version bumped before any later token is seen: the backend stages them in a shadow
-  model while generating and copies them in (`stage_weights`), or pauses, reloads and resumes; generation
-  stalls for the copy or the reload, never for the samples in flight (bench/bench_swap.py measures it). A sample in
+  scheduled and the version bumped before any later token is seen: the backend pauses vLLM's scheduler in its
+  "keep" mode, reloads and resumes; generation stalls for the reload, never for the samples in flight
+  (bench/bench_swap.py measures it). A sample in
   flight during a push continues under the new weights (its KV cache of earlier tokens stays), so its tokens
   may come from two versions: it reports `policy_version` = the version served when it was submitted (no
   older than its first token's) and `last_policy_version` = the version served when it finished (never older
@@ -418,17 +418,7 @@ class RolloutEngine:
         t1 = time.perf_counter()
         if was_broken:
             await self._set_serving(True)
-        route = getattr(self.backend, "last_route", "") or "reloaded"
-        held = ""
-        if route == "staged":  # the stall: the longest call of the swap into the engine's loop (slice or copy)
-            b = self.backend
-            held = (f"; the engine held at most {max(b.last_max_slice_s, b.last_reload_s) * 1e3:.1f} ms at a time "
-                    f"({b.last_stage_slices} slices, then the copy)")
-            stretch = getattr(b, "last_longest_stretch", {})
-            if stretch:  # inline: what bounds a slice (a checkpoint-to-checkpoint stretch of the swap's work)
-                held += (f"; its longest stretch of work {stretch['cpu_s'] * 1e3:.1f} ms of CPU ({stretch['at']}; "
-                         f"{stretch['layer_step_checkpoints']} checkpoints before a layer step)")
-        log.info("weights v%d in place (in flight kept, %s): apply %.3f s%s", target_version, route, t1 - t0, held)
+        log.info("weights v%d in place (in flight kept): apply %.3f s", target_version, t1 - t0)
         return SwapResult(version=target_version, apply_s=t1 - t0, drain_s=0.0)
 
     def _abort_for_swap(self) -> None:
