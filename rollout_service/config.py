@@ -109,9 +109,10 @@ def apply_engine_env(settings: RolloutSettings) -> None:
     """Set the process environment the engine reads at import: call before torch/vLLM are imported."""
     import os
 
-    from forkrl.runtime import apply_runtime_env
+    from forkrl.runtime import apply_runtime_env, mark_service_process
 
     apply_runtime_env(threads=settings.threads)
+    mark_service_process()  # the engine's processes end with this one, also on SIGKILL (worker_ext.py)
     # The KV cache size is passed as kv_cache_memory_bytes; vLLM's CPU platform would let the legacy
     # integer-GiB variable (which apply_runtime_env defaults to 1) override it.
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)

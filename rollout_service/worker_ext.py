@@ -19,7 +19,13 @@ from collections.abc import Iterator
 
 import torch
 
+from forkrl.runtime import die_with_service
 from forkrl.weights.safetensors import _ST_DTYPES, checkpoint_files, iter_safetensors, read_header
+
+# vLLM imports this module in the process that runs the model (its engine core, or with --engine-mode mp its worker)
+# before the model is loaded: from here on that process, and any between it and the service, ends with the service
+# even when the service is SIGKILLed (forkrl/runtime.py)
+die_with_service()
 
 # bf16 engines on CPU die with SIGILL inside the attention kernels unless AMX tiles were requested for
 # the process before first use; the worker imports this module at start-up, which is early enough.

@@ -146,6 +146,10 @@ def _grade_math(gold: str, completion: str) -> tuple[float | None, str]:
 def _warm_worker() -> None:
     import math_verify  # noqa: F401  (import once per worker, not on the first item)
 
+    from forkrl.runtime import die_with
+
+    die_with(os.getppid())  # a pool worker ends with the trainer, also when that was SIGKILLed
+
 
 def _ready(delay_s: float) -> int:
     time.sleep(delay_s)  # long enough that each worker takes one of these

@@ -45,6 +45,10 @@ def init_from_env(backend: str | None = None) -> DistInfo:
 
     backend: None = nccl when CUDA is present, else gloo. Each rank uses cuda:LOCAL_RANK on GPU.
     """
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: end with its agent, also when that was SIGKILLed
+        from forkrl.runtime import die_with
+
+        die_with(os.getppid())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
