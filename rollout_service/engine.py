@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from forkrl.seeds import sample_seed
-from forkrl.weights.safetensors import DTYPES, WeightsError, checkpoint_files, read_checkpoint_specs
+from forkrl.weights.finite import first_nonfinite
+from forkrl.weights.safetensors import DTYPES, WeightsError, checkpoint_files, iter_safetensors, read_checkpoint_specs
 from forkrl.weights.wire import TensorMeta, validate_metas
 from rollout_service.gate import SwapGate
 from rollout_service.staging import default_staging_dir, staged_weights
@@ -293,6 +294,15 @@ class RolloutEngine:
         except WeightsError as e:
             raise InvalidArgument(str(e).replace("total_bytes", "header.total_bytes")) from None
 
+    async def _check_finite(self, path: str | Path, what: str) -> None:
+        """InvalidArgument naming the first tensor under `path` that holds a NaN or inf: such weights never reach
+        the engine (one fused reduction per tensor over the file's memory map, in a thread: generation goes on)."""
+        files = checkpoint_files(path)
+        bad = await asyncio.to_thread(lambda: first_nonfinite(iter_safetensors(files)))
+        if bad is not None:
+            raise InvalidArgument(f"{what}: tensor {bad!r} holds NaN or inf values; refused, version {self.version} "
+                                  "keeps serving")
+
     async def update_weights(
         self,
         target_version: int,
@@ -302,7 +312,8 @@ class RolloutEngine:
         chunks: AsyncIterator[bytes],
         run_id: str = "",
     ) -> SwapResult:
-        """Receive a pushed state dict into a staging safetensors file, verify it, then swap.
+        """Receive a pushed state dict into a staging safetensors file, verify it (size, sha256, every tensor
+        finite), then swap.
 
         Everything is checked before the engine is touched; any failure (including the caller's stream
         being cancelled) leaves the served weights and version as they were."""
@@ -310,6 +321,7 @@ class RolloutEngine:
             self._check_push(run_id, target_version)
             self._check_metas(metas, total_bytes)
             async with staged_weights(self.staging_dir, target_version, metas, total_bytes, sha256, chunks) as staged:
+                await self._check_finite(staged.path, "the pushed weights")
                 # the swap owns the file from here: the reload may outlive this call (a cancelled push)
                 result = await self._swap(str(staged.path), target_version, run_id, staged=staged.hand_over())
             result.receive_s, result.bytes_received = staged.receive_s, staged.bytes_received
@@ -319,7 +331,8 @@ class RolloutEngine:
             raise
 
     async def load_weights(self, path: str, target_version: int, run_id: str = "") -> SwapResult:
-        """Swap in the weights of a checkpoint directory (or one .safetensors file) after checking it."""
+        """Swap in the weights of a checkpoint directory (or one .safetensors file) after checking it (names, dtypes
+        and shapes against the served model, every tensor finite)."""
         try:
             self._check_push(run_id, target_version)
             if not path:
@@ -342,6 +355,7 @@ class RolloutEngine:
                                field=f"checkpoint {path!r}")
             except WeightsError as e:
                 raise InvalidArgument(str(e)) from None
+            await self._check_finite(p, f"checkpoint {path!r}")
             return await self._swap(str(p), target_version, run_id)
         except BaseException:
             self.counters.rejected_weight_updates += 1

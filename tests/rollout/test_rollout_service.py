@@ -314,6 +314,34 @@ def test_failed_updates_keep_the_old_weights(client: RolloutClient, service: Ser
     wait_until(lambda: not any(staging.iterdir()), 30, "the staging file to be removed")
 
 
+def test_non_finite_weights_are_refused_and_the_old_ones_keep_serving(client: RolloutClient, hf, hf64,
+                                                                      tmp_path: Path):
+    """An inf in one tensor of a push, a NaN in one of a checkpoint: INVALID_ARGUMENT naming the tensor, the version
+    stays, and Generate still samples with the old weights' log-probs (float32 bound)."""
+    info = client.info()
+    version, rejected = info.version, info.counters.rejected_weight_updates
+    name = next(k for k in hf.state_dict() if k.endswith("mlp.down_proj.weight"))
+    pushed = perturbed(hf, 0.3, seed=8)
+    pushed[name][1, 2] = float("inf")
+    with pytest.raises(grpc.RpcError) as e:
+        client.update_weights(pushed, version + 1)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"tensor {name!r} holds NaN or inf" in \
+        e.value.details()
+    pushed[name][1, 2] = float("nan")
+    save_file({k: v.contiguous() for k, v in pushed.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(grpc.RpcError) as e:
+        client.load_weights(str(tmp_path), version + 1)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"tensor {name!r} holds NaN or inf" in \
+        e.value.details()
+    info = client.info()
+    assert info.version == version and info.counters.rejected_weight_updates == rejected + 2
+    assert client.health() == SERVING
+    trajs = list(client.generate(PROMPTS, n=4, temperature=1.0, max_new_tokens=24, seed=9))
+    assert {t.policy_version for t in trajs} == {version}
+    worst, bound = parity(trajs, hf, hf64, 1.0)
+    assert worst <= bound
+
+
 def test_cancel_aborts_the_engine_requests(client: RolloutClient):
     before = client.info().counters.aborted_requests
     stream = client.generate(PROMPTS, n=32, temperature=1.0, max_new_tokens=200, seed=1)

@@ -562,6 +562,27 @@ def test_load_weights_checks_the_directory(tmp_path: Path, client: RolloutClient
     assert torch.equal(server.backend.reloaded[-1]["norm.weight"], MODEL["norm.weight"] * 5)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_weights_are_refused_before_the_engine(tmp_path: Path, client: RolloutClient,
+                                                          server: ServerThread, bad: float):
+    """UpdateWeights and LoadWeights refuse a NaN or inf in any tensor with INVALID_ARGUMENT naming it; the
+    engine never sees the weights and the version stays."""
+    assert server.backend is not None
+    info = client.info()
+    version, rejected, reloads = info.version, info.counters.rejected_weight_updates, server.backend.reloads_started
+    state = {k: v.clone() for k, v in MODEL.items()}
+    state["norm.weight"][3] = bad
+    code, msg = _code_and_message(lambda: client.update_weights(state, version + 1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "tensor 'norm.weight' holds NaN or inf" in msg, msg
+    save_file(state, str(tmp_path / "model.safetensors"))
+    code, msg = _code_and_message(lambda: client.load_weights(str(tmp_path), version + 1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "tensor 'norm.weight' holds NaN or inf" in msg, msg
+    info = client.info()
+    assert info.version == version and info.counters.rejected_weight_updates == rejected + 2
+    assert server.backend.reloads_started == reloads and client.health() == SERVING
+    wait_until(lambda: server.staged() == [], 10, "the staging file to be removed")
+
+
 def test_samples_finishing_together_share_a_message(server: ServerThread):
     backend = server.backend
     assert backend is not None

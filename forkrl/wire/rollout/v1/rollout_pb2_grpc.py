@@ -74,15 +74,16 @@ class RolloutServiceServicer:
 
     def UpdateWeights(self, request_iterator, context):
         """Client stream: one header, then the raw tensor bytes in chunks of at most 4 MiB. The weights are
-        applied only after the whole stream arrived and the checksum matched; otherwise the old weights
-        keep serving.
+        applied only after the whole stream arrived, the checksum matched and every tensor is finite (a NaN or
+        inf: INVALID_ARGUMENT naming the tensor); otherwise the old weights keep serving.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def LoadWeights(self, request, context):
-        """Loads weights from a checkpoint directory (`*.safetensors`) on a volume both services can read.
+        """Loads weights from a checkpoint directory (`*.safetensors`) on a volume both services can read; a tensor
+        holding a NaN or inf is refused (INVALID_ARGUMENT naming it) and the old weights keep serving.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
