@@ -53,6 +53,14 @@ class RolloutSettings(TokenSettings):
     generation stalls for the reload; a sample reports the versions it was sampled with, first and last);
     drain: new samples wait until every sample in flight has finished, so each sample has one version, but
     generation runs dry for the drain (bench/bench_swap.py measures both)."""
+    weight_transfer: Literal["auto", "gloo", "nccl", "none"] = "auto"
+    """The backend of vLLM's weight-transfer API the engine offers for pushes (InitWeightTransfer ...
+    FinishWeightUpdate: the trainer broadcasts the weights layer by layer into the engine's workers). auto: gloo
+    on CPU (forkrl/weights/transfer_gloo.py), vLLM's nccl on a GPU; none: pushes only by UpdateWeights and
+    LoadWeights."""
+    transfer_timeout_s: float = Field(300.0, gt=0)
+    """A weight-transfer push that sees no call for this long is ended without a commit (generation resumes; the
+    weights are reported broken if a chunk had arrived); also how long one broadcast waits for the trainer."""
     max_num_seqs: int = Field(256, gt=0)
     """Most sequences the engine batches at once (vLLM's max_num_seqs)."""
     max_prompts_per_request: int = Field(16384, gt=0)

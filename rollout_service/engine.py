@@ -51,6 +51,7 @@ from forkrl.weights.safetensors import DTYPES, WeightsError, checkpoint_files, i
 from forkrl.weights.wire import TensorMeta, validate_metas
 from rollout_service.gate import SwapGate
 from rollout_service.staging import default_staging_dir, staged_weights
+from rollout_service.transfer import WeightTransfer
 from rollout_service.types import (
     Backend,
     Completion,
@@ -80,6 +81,7 @@ class RolloutEngine:
         swap_mode: str = "inplace",
         lease_timeout_s: float = 900.0,
         drain_timeout_s: float | None = None,
+        transfer_timeout_s: float = 300.0,
     ) -> None:
         if swap_mode not in SWAP_MODES:
             raise ValueError(f"swap_mode must be one of {SWAP_MODES}, got {swap_mode!r}")
@@ -91,9 +93,9 @@ class RolloutEngine:
         self.staging_dir = Path(staging_dir) if staging_dir else default_staging_dir()
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self._on_serving = on_serving
-        self._gate = SwapGate()
-        self._apply_lock = asyncio.Lock()
-        self._broken: str | None = None  # set when a reload failed half-way
+        self.gate = SwapGate()
+        self.apply_lock = asyncio.Lock()
+        self.broken: str | None = None  # set when a reload failed half-way
         self.lease_timeout_s = lease_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self._lease = ""  # the run holding the rollout ("" = none)
@@ -104,6 +106,7 @@ class RolloutEngine:
         tied = bool(backend.engine_settings.get("tie_word_embeddings"))
         # HF state dicts of tied models carry lm_head.weight; checkpoints (and vLLM) do not.
         self.ignorable = {"lm_head.weight"} if tied and "lm_head.weight" not in self.specs else set()
+        self.transfer = WeightTransfer(self, transfer_timeout_s)  # pushes through vLLM's weight-transfer API
 
     # ----------------------------------------------------------------------------------- validation
     def prepare_prompts(self, prompts: Sequence[str | Sequence[int] | None]) -> list[list[int]]:
@@ -185,12 +188,12 @@ class RolloutEngine:
             )
         if len(tag) > 64:
             raise InvalidArgument(f"request_tag must be at most 64 characters, got {len(tag)}")
-        if self._broken:
-            raise FailedPrecondition(self._broken)
+        if self.broken:
+            raise FailedPrecondition(self.broken)
         offsets = list(prompt_offsets) or list(range(len(prompt_ids)))
         total = len(prompt_ids) * spec.n
 
-        await self._gate.enter(total)
+        await self.gate.enter(total)
         version = self.version
         self.counters.requests += 1
         base = f"{tag or 'gen'}-{uuid.uuid4().hex[:12]}"
@@ -200,7 +203,7 @@ class RolloutEngine:
         def on_done(task: asyncio.Task[Completion], i: int, j: int, rid: str) -> None:
             # Leaving the gate when the engine is done (not when the client has read the sample) keeps
             # a slow reader from holding up a weight swap.
-            self._gate.leave(1)
+            self.gate.leave(1)
             done.put_nowait((i, j, rid, task, self.version))  # the newest version that can have sampled it
 
         for i, ids in enumerate(prompt_ids):
@@ -224,8 +227,8 @@ class RolloutEngine:
                         raise Unavailable(f"sample {rid} was aborted: a weight swap waited drain_timeout_s "
                                           f"{self.drain_timeout_s:g} s for it; sample again")
                     c = task.result()  # an engine error ends the call; `finally` aborts the rest
-                    if self._broken:  # an in-place reload failed while this sample ran: its weights are unknown
-                        raise FailedPrecondition(self._broken)
+                    if self.broken:  # an in-place reload failed while this sample ran: its weights are unknown
+                        raise FailedPrecondition(self.broken)
                     self.counters.samples += 1
                     self.counters.prompt_tokens += len(prompt_ids[i])
                     self.counters.generated_tokens += len(c.token_ids)
@@ -266,7 +269,7 @@ class RolloutEngine:
             self._lease = ""
         return self._lease, max(left, 0.0) if self._lease else 0.0
 
-    def _check_push(self, run_id: str, target_version: int) -> None:
+    def check_push(self, run_id: str, target_version: int) -> None:
         holder, left = self.lease()
         if holder and run_id != holder:
             who = f"run {run_id!r}" if run_id else "a push without run_id"
@@ -276,6 +279,23 @@ class RolloutEngine:
                 "`python -m rollout_service.admin reset-lease --address HOST:PORT`"
             )
         self._check_version(target_version)
+
+    def take_lease(self, run_id: str) -> None:
+        """Take (or renew) the lease for `run_id`; a push without a run id takes none."""
+        if run_id:
+            self._lease, self._lease_until = run_id, time.monotonic() + self.lease_timeout_s
+
+    def commit(self, target_version: int) -> None:
+        """The weights of `target_version` are in place (the engine not yet resumed): serve them as that version."""
+        self.broken = None
+        self.version = target_version
+        self.counters.weight_reloads += 1
+
+    async def mark_broken(self, why: str) -> None:
+        """The served weights are unknown (a reload or a weight transfer failed half-way): FAILED_PRECONDITION for
+        every Generate and NOT_SERVING until a push or load succeeds."""
+        self.broken = why
+        await self.set_serving(False)
 
     def release_lease(self, run_id: str, force: bool = False) -> str:
         """Give up the lease: its holder (`run_id`), or anyone with `force` (the operator's reset). Returns the run
@@ -318,7 +338,7 @@ class RolloutEngine:
         Everything is checked before the engine is touched; any failure (including the caller's stream
         being cancelled) leaves the served weights and version as they were."""
         try:
-            self._check_push(run_id, target_version)
+            self.check_push(run_id, target_version)
             self._check_metas(metas, total_bytes)
             async with staged_weights(self.staging_dir, target_version, metas, total_bytes, sha256, chunks) as staged:
                 await self._check_finite(staged.path, "the pushed weights")
@@ -334,7 +354,7 @@ class RolloutEngine:
         """Swap in the weights of a checkpoint directory (or one .safetensors file) after checking it (names, dtypes
         and shapes against the served model, every tensor finite)."""
         try:
-            self._check_push(run_id, target_version)
+            self.check_push(run_id, target_version)
             if not path:
                 raise InvalidArgument("path is empty")
             p = Path(path)
@@ -364,10 +384,9 @@ class RolloutEngine:
     async def _swap(self, path: str, target_version: int, run_id: str, staged: Path | None = None) -> SwapResult:
         """Drain and reload from `path`; `staged` (a staging file) is removed once the reload is over."""
         try:
-            async with self._apply_lock:
-                self._check_push(run_id, target_version)  # again: another swap may have won the race
-                if run_id:  # taken (or renewed) before the reload: a second run waiting for the lock is refused
-                    self._lease, self._lease_until = run_id, time.monotonic() + self.lease_timeout_s
+            async with self.apply_lock:
+                self.check_push(run_id, target_version)  # again: another swap may have won the race
+                self.take_lease(run_id)  # before the reload: a second run waiting for the lock is refused
                 # The reload runs as its own task: if the caller's RPC is cancelled mid-reload (or while
                 # draining), the reload still completes and the version is committed, so version and
                 # weights never disagree. The task, not the caller, removes the staged file afterwards.
@@ -383,59 +402,52 @@ class RolloutEngine:
 
     async def _drain_and_reload(self, path: str, target_version: int) -> SwapResult:
         t0 = time.perf_counter()
-        await self._set_serving(False)
+        await self.set_serving(False)
         try:
-            async with self._gate.closed(self.drain_timeout_s) as drained:
+            async with self.gate.closed(self.drain_timeout_s) as drained:
                 if not drained:
-                    self._abort_for_swap()
-                    await self._gate.wait_drained()
+                    self.abort_for_swap()
+                    await self.gate.wait_drained()
                 t1 = time.perf_counter()
                 try:
                     await self.backend.reload(path)
                 except Exception as e:
-                    self._broken = (
+                    self.broken = (
                         f"a weight reload failed half-way ({type(e).__name__}: {e}); the served weights "
                         "are unknown until a push or load succeeds"
                     )
                     log.exception("weight reload from %s failed", path)
-                    raise FailedPrecondition(self._broken) from e
-                self._broken = None
-                self.version = target_version
-                self.counters.weight_reloads += 1
+                    raise FailedPrecondition(self.broken) from e
+                self.commit(target_version)
                 t2 = time.perf_counter()
         finally:
-            if not self._broken:
-                await self._set_serving(True)
+            if not self.broken:
+                await self.set_serving(True)
         log.info("weights v%d in place: drain %.3f s, apply %.3f s", target_version, t1 - t0, t2 - t1)
         return SwapResult(version=target_version, apply_s=t2 - t1, drain_s=t1 - t0)
 
     async def _reload_in_place(self, path: str, target_version: int) -> SwapResult:
         """Pause between engine steps (requests in flight stay scheduled), apply, bump the version, resume."""
         t0 = time.perf_counter()
-        was_broken = self._broken is not None
-
-        def commit() -> None:  # the new weights are in place, the engine still paused
-            self._broken = None
-            self.version = target_version
-            self.counters.weight_reloads += 1
+        was_broken = self.broken is not None
 
         try:
-            await self.backend.reload(path, keep_running=True, before_resume=commit)
+            await self.backend.reload(path, keep_running=True, before_resume=lambda: self.commit(target_version))
         except Exception as e:
-            self._broken = (
+            self.broken = (
                 f"an in-place weight reload failed half-way ({type(e).__name__}: {e}); the served weights are "
                 "unknown until a push or load succeeds"
             )
             log.exception("in-place weight reload from %s failed", path)
-            await self._set_serving(False)
-            raise FailedPrecondition(self._broken) from e
+            await self.set_serving(False)
+            raise FailedPrecondition(self.broken) from e
         t1 = time.perf_counter()
         if was_broken:
-            await self._set_serving(True)
+            await self.set_serving(True)
         log.info("weights v%d in place (in flight kept): apply %.3f s", target_version, t1 - t0)
         return SwapResult(version=target_version, apply_s=t1 - t0, drain_s=0.0)
 
-    def _abort_for_swap(self) -> None:
+    def abort_for_swap(self) -> None:
         """The drain timed out: cancel every sample still running (their calls end UNAVAILABLE) so the swap goes on."""
         rids = list(self._running)
         log.warning("drain_timeout_s %.1f s passed with %d samples running: aborting them for the swap",
@@ -446,7 +458,7 @@ class RolloutEngine:
             self._running[rid].cancel()
         asyncio.ensure_future(self.backend.abort(rids))
 
-    async def _set_serving(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool) -> None:
         if self._on_serving is not None:
             await self._on_serving(serving)
 

@@ -7,6 +7,11 @@ Reload with requests in flight (`keep_running=True`, swap mode "inplace"): the e
 in vLLM's "keep" mode (it finishes the step it is in, then skips steps with every request kept scheduled, KV
 cache included), the weights are reloaded through `collective_rpc` and the scheduler resumes: generation stalls
 for those three engine-core calls (bench/bench_swap.py measures it in engine steps).
+Pushes through vLLM's weight-transfer API (rollout_service/transfer.py): the engine is built with
+`WeightTransferConfig(backend=...)` (gloo on CPU: forkrl/weights/transfer_gloo.py, registered by the worker
+extension; vLLM's nccl on a GPU), and the session's calls map to AsyncLLM's `init_weight_transfer_engine`,
+`start_weight_update` (after the same "keep" pause), `update_weights`, `finish_weight_update(weight_version=...)`
+(then resume) and `shutdown_weight_transfer_engine`.
 The prefix cache cannot be reset while requests hold KV blocks, so every request carries `cache_salt` = the
 weights' epoch (bumped by each reload): a later request never matches a block computed by replaced weights.
 vLLM is imported inside the methods, so the rest of the service (and its plumbing tests) imports without it.
@@ -56,9 +61,14 @@ class VllmBackend:
     @classmethod
     async def start(cls, settings: Any) -> VllmBackend:
         import vllm
+        from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        transfer = getattr(settings, "weight_transfer", "auto")
+        if transfer == "auto":
+            transfer = "gloo" if current_platform.is_cpu() else "nccl"
 
         args = AsyncEngineArgs(
             model=settings.model,
@@ -79,6 +89,7 @@ class VllmBackend:
             enable_chunked_prefill=False if current_platform.is_cpu() else None,
             # No hub at run time: the model is a local directory.
             trust_remote_code=False,
+            weight_transfer_config=WeightTransferConfig(backend=transfer) if transfer != "none" else None,
         )
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         engine_settings = {
@@ -89,6 +100,10 @@ class VllmBackend:
             "device": llm.vllm_config.device_config.device_type,
             "vllm_version": vllm.__version__,
             "engine_mode": settings.engine_mode,
+            "weight_transfer_backend": transfer if transfer != "none" else "",
+            # the ranks the engine's workers take in a weight-transfer group (vLLM's worker_init_process_group)
+            "weight_transfer_workers": int(llm.vllm_config.parallel_config.world_size
+                                           * llm.vllm_config.parallel_config.data_parallel_size),
         }
         backend = cls(llm, settings, engine_settings)
         del llm  # the backend owns the engine; see shutdown()
@@ -158,6 +173,47 @@ class VllmBackend:
         finally:
             await core.resume_scheduler_async()
         log.debug("reload results (in flight kept): %s", results)
+
+    # ------------------------------------------------------------------ vLLM's weight-transfer API
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_weight_update(self) -> None:
+        """Pause in "keep" mode (as `reload`), then start vLLM's update; resumed by finish or abort."""
+        core = self._llm.engine_core
+        await core.pause_scheduler_async(mode="keep", clear_cache=False)
+        try:
+            await self._llm.start_weight_update()
+        except BaseException:
+            await core.resume_scheduler_async()
+            raise
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, version: int, before_resume: Callable[[], None]) -> None:
+        """Finalize, name the weights `version` (vLLM's weight_version), run `before_resume`, resume."""
+        try:
+            await self._llm.finish_weight_update(weight_version=str(version))
+            self._epoch += 1
+            before_resume()
+        finally:
+            await self._llm.engine_core.resume_scheduler_async()
+
+    async def abort_weight_update(self) -> None:
+        """End an update without finishing it (worker_ext.forkrl_abort_weight_update), resume."""
+        try:
+            await self._llm.collective_rpc("forkrl_abort_weight_update")
+            self._epoch += 1  # some layers may have changed: no later request reuses a block of the old ones
+        finally:
+            await self._llm.engine_core.resume_scheduler_async()
+
+    async def shutdown_weight_transfer(self) -> None:
+        await self._llm.shutdown_weight_transfer_engine()
 
     def num_unfinished(self) -> int:
         return int(self._llm.get_num_unfinished_requests())

@@ -1,4 +1,4 @@
-"""vLLM worker extension: in-place weight reload from safetensors files.
+"""vLLM worker extension: in-place weight reload from safetensors files; the end of an abandoned weight transfer.
 
 The engine is started with `worker_extension_cls="rollout_service.worker_ext.WeightReloadExtension"`, so
 these methods run inside vLLM's worker process and are called through `engine.collective_rpc(...)`.
@@ -8,6 +8,10 @@ pickled lists (slow, small ones fail), and `model.load_weights` after start-up f
 weights were repacked into oneDNN handles. The worker's `reload_weights(weights_iterator=...)` re-runs
 the packing and works (vllm-cpu-notes.md, "In-place weight reload"). The rollout service therefore
 stages pushed weights as a safetensors file (in /dev/shm when it exists) and passes its path.
+
+Importing this module also registers the "gloo" weight-transfer backend (forkrl/weights/transfer_gloo.py) with
+vLLM's factories: vLLM imports the extension when it builds the worker, before `load_model`, where the worker
+creates the weight-transfer engine its `WeightTransferConfig` names.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
+import forkrl.weights.transfer_gloo  # noqa: F401  (registers the "gloo" backend: see the module docstring)
 from forkrl.runtime import die_with_service
 from forkrl.weights.safetensors import _ST_DTYPES, checkpoint_files, iter_safetensors, read_header
 
@@ -57,6 +62,22 @@ class WeightReloadExtension:
 
         self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
         return {"tensors": count, "seconds": time.perf_counter() - start}
+
+    def forkrl_abort_weight_update(self) -> None:
+        """End a weight-transfer update that will not finish (a chunk failed, the trainer went away): finalize vLLM's
+        layerwise reload, which puts the kept tensors back in every layer that received nothing, so the model can
+        run again (layers that were loaded keep the new weights: the service reports the weights broken)."""
+        try:
+            self.finish_weight_update()  # type: ignore[attr-defined]
+        except RuntimeError:  # update_weights failed: vLLM's worker closed the session, the layers still wait
+            engine = getattr(self, "weight_transfer_engine", None)
+            abort = getattr(engine, "abort_weight_update", None)
+            if abort is not None:
+                abort()
+            else:
+                from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+                finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)  # type: ignore[attr-defined]
 
 
 def check_data_section(path: str | os.PathLike) -> None:

@@ -13,6 +13,7 @@ needs every rank, just before doing it itself:
 | `start` (config, run dir) | `load_policy` | `load_policy`: the same model, sharded (FSDP2) over all ranks |
 | `update` (step, rewards and token ids) | `Policy.set_lr`, `Policy.update` | the same: `dp_train_step` on its share |
 | `state` | `Policy.full_state()` for the push | `Policy.full_state()` (the gather) |
+| `transfer` | streams the model into the rollout services | `join_transfer`: the same per-parameter gathers |
 | `checkpoint` (run dir, name) | `Policy.save`: HF files + its AdamW shards | the same (DCP, its shards) |
 | `end` | the run is over (any outcome) | drops the policy |
 | `exit` | the service stops | returns |
@@ -129,6 +130,11 @@ def follow(device: str = "auto") -> None:
         elif op == "state":
             assert policy is not None, "state before start"
             policy.full_state()
+        elif op == "transfer":
+            assert policy is not None, "transfer before start"
+            from forkrl.training.rollouts import join_transfer
+
+            join_transfer(policy.model)
         elif op == "checkpoint":
             assert policy is not None, "checkpoint before start"
             run_dir, name = args

@@ -37,6 +37,7 @@ class WeightSync(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_SYNC_PATH: _ClassVar[WeightSync]
     WEIGHT_SYNC_AUTO: _ClassVar[WeightSync]
     WEIGHT_SYNC_SHM: _ClassVar[WeightSync]
+    WEIGHT_SYNC_TRANSFER: _ClassVar[WeightSync]
 
 class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -75,6 +76,7 @@ WEIGHT_SYNC_STREAM: WeightSync
 WEIGHT_SYNC_PATH: WeightSync
 WEIGHT_SYNC_AUTO: WeightSync
 WEIGHT_SYNC_SHM: WeightSync
+WEIGHT_SYNC_TRANSFER: WeightSync
 RUN_STATE_UNSPECIFIED: RunState
 RUN_STATE_STARTING: RunState
 RUN_STATE_RUNNING: RunState
