@@ -318,9 +318,16 @@ class Rollouts:
                         "InitWeightTransfer first" in (e.details() or ""):
                     continue
                 raise
-            except BaseException:
+            except Exception as e:
                 sync.abort()
                 self._drop_transfer(shutdown=False)
+                # the broadcast failed: a service that went away says so here (UNAVAILABLE: a rollout fault the
+                # loop recovers from by waiting for it and pushing again)
+                for c in self.clients:
+                    try:
+                        c.info(timeout_s=30)
+                    except grpc.RpcError as gone:
+                        raise gone from e
                 raise
             break
         for j, resp in enumerate(sync.finished):
