@@ -99,7 +99,8 @@ class RolloutEngine:
         self.lease_timeout_s = lease_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self._lease = ""  # the run holding the rollout ("" = none)
-        self._lease_until = 0.0  # time.monotonic() when it expires
+        self._lease_until = 0.0  # clock() when it expires
+        self.clock: Callable[[], float] = time.monotonic  # the lease's clock (a test moves it instead of waiting)
         self._running: dict[str, asyncio.Task[Completion]] = {}  # every engine request in flight
         self._swap_aborted: set[str] = set()  # requests aborted by a drain timeout
         self.specs = read_checkpoint_specs(backend.model)
@@ -263,7 +264,7 @@ class RolloutEngine:
 
     def lease(self) -> tuple[str, float]:
         """(the run holding the lease or "", seconds until it expires); an expired lease is dropped here."""
-        left = self._lease_until - time.monotonic()
+        left = self._lease_until - self.clock()
         if self._lease and left <= 0:
             log.info("the lease of run %s expired (no push for %.0f s)", self._lease, self.lease_timeout_s)
             self._lease = ""
@@ -283,7 +284,7 @@ class RolloutEngine:
     def take_lease(self, run_id: str) -> None:
         """Take (or renew) the lease for `run_id`; a push without a run id takes none."""
         if run_id:
-            self._lease, self._lease_until = run_id, time.monotonic() + self.lease_timeout_s
+            self._lease, self._lease_until = run_id, self.clock() + self.lease_timeout_s
 
     def commit(self, target_version: int) -> None:
         """The weights of `target_version` are in place (the engine not yet resumed): serve them as that version."""

@@ -264,7 +264,7 @@ class WeightTransfer:
                 continue
             log.warning("weight update of run %s to version %d: no call for %.0f s: abandoned", s.run_id,
                         s.target_version, self.timeout_s)
-            await self._end(s, f"no call for {self.timeout_s:g} s (the trainer went away?)", from_watchdog=True)
+            await self._end(s, f"no call for {self.timeout_s:g} s (the trainer went away?)")
             return
 
     def _close(self, s: _Session) -> None:
@@ -279,8 +279,8 @@ class WeightTransfer:
             await engine.set_serving(True)
         engine.apply_lock.release()
 
-    async def _end(self, s: _Session, why: str, *, drain: dict[str, Any] | None = None, drop_group: bool = False,
-                   from_watchdog: bool = False) -> None:
+    async def _end(self, s: _Session, why: str, *, drain: dict[str, Any] | None = None,
+                   drop_group: bool = False) -> None:
         """End `s` without a commit: receive a refused chunk (`drain`), finalize vLLM's reload, resume."""
         if self._session is not s:
             return

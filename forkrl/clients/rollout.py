@@ -83,7 +83,7 @@ class RolloutClient:
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------------------------------ API
-    def health(self, timeout_s: float = 5.0) -> int:
+    def health(self, timeout_s: float = 60.0) -> int:
         """The service's health status (health_pb2.HealthCheckResponse.SERVING == 1)."""
         return self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s).status
 

@@ -165,13 +165,20 @@ class Rollouts:
             self.push(model, version, mode, run_dir, only=lost)
         return lost
 
-    def release(self) -> None:
-        """Give up the lease on every service (the run ended); a service that is gone is skipped."""
+    def release(self) -> list[str]:
+        """Give up the lease on every service (the run ended). A service that is gone is skipped with a warning
+        (its lease expires by itself, or it restarted without one); returns the addresses it failed on. The
+        deadline is one only a hang exceeds: a slow answer is still waited for."""
+        failed = []
         for c in self.clients:
             try:
-                c.release_lease(self.run_id, timeout_s=5.0)
-            except Exception:  # noqa: BLE001 - best effort: the lease expires by itself
-                pass
+                c.release_lease(self.run_id, timeout_s=60.0)
+            except Exception as e:  # noqa: BLE001 - never in the way of the run's own outcome
+                why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else repr(e)
+                log.warning("releasing the rollout lease of run %s on %s failed (%s); it expires by itself",
+                            self.run_id, c.address, why)
+                failed.append(c.address)
+        return failed
 
     def serve_initial(self, model_dir: str) -> bool:
         """True when every service still serves the checkpoint it started with and that is `model_dir`."""

@@ -287,7 +287,7 @@ def test_failed_updates_keep_the_old_weights(client: RolloutClient, service: Ser
         for c in chunks[:n_chunks]:
             yield pb.UpdateWeightsRequest(chunk=c)
         if hang:
-            release.wait(60)
+            release.wait(600)
 
     try:
         with grpc_channel(service) as ch:
@@ -301,17 +301,17 @@ def test_failed_updates_keep_the_old_weights(client: RolloutClient, service: Ser
             assert e.value.code() == grpc.StatusCode.ABORTED
             # aborted stream: half the chunks, then the client cancels while the service stages them
             fut = stub.UpdateWeights.future(
-                messages(sha, version + 1, n_chunks=len(chunks) // 2, hang=True), timeout=60
+                messages(sha, version + 1, n_chunks=len(chunks) // 2, hang=True), timeout=600
             )
-            wait_until(lambda: any(staging.iterdir()), 30, "the service to stage the pushed chunks")
+            wait_until(lambda: any(staging.iterdir()), 300, "the service to stage the pushed chunks")
             fut.cancel()
-            wait_until(lambda: client.info().counters.rejected_weight_updates == rejected + 3, 30,
+            wait_until(lambda: client.info().counters.rejected_weight_updates == rejected + 3, 300,
                        "the service to count the cancelled update")
     finally:
         release.set()
     assert client.info().version == version
     assert fingerprint(client) == before
-    wait_until(lambda: not any(staging.iterdir()), 30, "the staging file to be removed")
+    wait_until(lambda: not any(staging.iterdir()), 300, "the staging file to be removed")
 
 
 def test_non_finite_weights_are_refused_and_the_old_ones_keep_serving(client: RolloutClient, hf, hf64,
@@ -347,7 +347,7 @@ def test_cancel_aborts_the_engine_requests(client: RolloutClient):
     stream = client.generate(PROMPTS, n=32, temperature=1.0, max_new_tokens=200, seed=1)
     next(stream)
     stream.close()  # cancels the RPC: the service must abort what is still running
-    wait_until(lambda: client.info().counters.running_requests == 0, 30, "the engine to be idle")
+    wait_until(lambda: client.info().counters.running_requests == 0, 300, "the engine to be idle")
     assert client.info().counters.aborted_requests > before
 
 
@@ -375,13 +375,13 @@ def test_health_is_not_serving_during_a_swap(client: RolloutClient, service: Ser
         )
         version = client.info().version
         try:
-            wait_until(lambda: statuses, 30, "the first health status")
+            wait_until(lambda: statuses, 300, "the first health status")
             gen.start()
-            wait_until(lambda: client.info().counters.running_requests > 0 or not gen.is_alive(), 60,
+            wait_until(lambda: client.info().counters.running_requests > 0 or not gen.is_alive(), 300,
                        "the generation to reach the engine")
             assert client.update_weights(perturbed(hf, 0.1, seed=4), version + 1) == version + 1
             gen.join(120)
-            wait_until(lambda: statuses[-1] == SERVING, 30, "SERVING after the swap")
+            wait_until(lambda: statuses[-1] == SERVING, 300, "SERVING after the swap")
         finally:
             watch.cancel()
             watcher.join(5)
@@ -411,10 +411,25 @@ def test_info_reports_engine_and_counters(client: RolloutClient, model_dir: Path
 @pytest.mark.isolated  # its own service
 def test_dead_engine_core_takes_the_service_down(model_dir: Path, tmp_path: Path):
     """kill -9 of vLLM's engine-core process: the service must not keep answering SERVING for a dead
-    engine; it goes NOT_SERVING and exits with status 1 so Docker or the launcher sees the failure."""
+    engine; a health watcher sees it go NOT_SERVING, and it exits with status 1 so Docker or the launcher sees
+    the failure."""
     with start_rollout_service(model_dir, log_path=tmp_path / "rollout.log", staging_dir=tmp_path / "staging") \
             as service:
         proc = service.process
+        statuses: list[int] = []
+
+        def watch() -> None:
+            with grpc_channel(service) as ch:
+                try:
+                    for r in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""),
+                                                                  timeout=300):
+                        statuses.append(r.status)
+                except grpc.RpcError:  # the service went away
+                    pass
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        wait_until(lambda: SERVING in statuses, 120, "the watcher's first SERVING")
         children = []
         for p in Path("/proc").glob("[0-9]*/stat"):
             try:
@@ -425,4 +440,6 @@ def test_dead_engine_core_takes_the_service_down(model_dir: Path, tmp_path: Path
         cores = [pid for pid in children if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert cores, "no engine-core child process found"
         os.kill(cores[0], signal.SIGKILL)
-        assert proc.wait(timeout=60) == 1
+        assert proc.wait(timeout=300) == 1
+        watcher.join(120)
+    assert NOT_SERVING in statuses[statuses.index(SERVING):]

@@ -135,7 +135,7 @@ class ServerThread:
             wait_until(lambda: self.servicer.engine is not None, 30, "the fake engine to load")
 
     def run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
 
     def event(self) -> asyncio.Event:
         async def make() -> asyncio.Event:
@@ -192,8 +192,8 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def client(server: ServerThread) -> Iterator[RolloutClient]:
-    c = RolloutClient(server.address, timeout_s=20)
-    c.wait_ready(10)
+    c = RolloutClient(server.address, timeout_s=120)
+    c.wait_ready(120)
     yield c
     c.close()
 
@@ -207,12 +207,13 @@ def _code_and_message(fn: Any) -> tuple[grpc.StatusCode, str]:
 def test_not_serving_and_unavailable_while_loading(model_dir: Path, tmp_path: Path):
     server = ServerThread(model_dir, tmp_path / "staging", hold_load=True)
     try:
-        with RolloutClient(server.address, timeout_s=20) as client:
+        # no retries: UNAVAILABLE comes back at once; the deadline is one only a hang exceeds
+        with RolloutClient(server.address, timeout_s=120, max_retries=0) as client:
             assert client.health() == NOT_SERVING
-            code, msg = _code_and_message(lambda: client.info(timeout_s=1))
+            code, msg = _code_and_message(lambda: client.info(timeout_s=60))
             assert code == grpc.StatusCode.UNAVAILABLE and "loading" in msg
             server.set(server.load_gate)
-            client.wait_ready(timeout_s=10)
+            client.wait_ready(timeout_s=120)
             assert client.health() == SERVING
             assert client.info().version == 0
     finally:
@@ -275,7 +276,7 @@ def test_missing_sampling_and_prompt_without_input(server: ServerThread):
                 "prompts[0] has neither text nor token_ids",
             ),
         ]:
-            code, msg = _code_and_message(lambda req=req: list(stub.Generate(req, timeout=5)))
+            code, msg = _code_and_message(lambda req=req: list(stub.Generate(req, timeout=60)))
             assert (code, msg) == (grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
@@ -288,9 +289,9 @@ def test_cancel_aborts_unfinished_samples(server: ServerThread, client: RolloutC
     try:
         stream = client.generate([[1], [2]], n=4, max_new_tokens=4, seed=0)
         assert next(stream).sample_index == 0
-        wait_until(lambda: len(backend.finished) == finished_before + 2, 10, "both samples 0 to finish")
+        wait_until(lambda: len(backend.finished) == finished_before + 2, 120, "both samples 0 to finish")
         stream.close()  # the client cancels the call with 6 samples still running
-        wait_until(lambda: client.info().counters.running_requests == 0, 10, "the engine to be idle")
+        wait_until(lambda: client.info().counters.running_requests == 0, 120, "the engine to be idle")
     finally:
         backend.hold_from_sample = None
         server.set(backend.sample_gate)
@@ -303,7 +304,7 @@ def test_cancel_aborts_unfinished_samples(server: ServerThread, client: RolloutC
 def _push(
     stub: pb_grpc.RolloutServiceStub, messages: list[pb.UpdateWeightsRequest]
 ) -> pb.UpdateWeightsResponse:
-    return stub.UpdateWeights(iter(messages), timeout=10)
+    return stub.UpdateWeights(iter(messages), timeout=60)
 
 
 def _messages(state: dict[str, torch.Tensor], version: int, chunk_bytes: int = 64, **override: Any):
@@ -417,14 +418,14 @@ def test_cancelled_stream_changes_nothing(server: ServerThread, client: RolloutC
         with grpc_channel(server.address) as ch:
             fut = pb_grpc.RolloutServiceStub(ch).UpdateWeights.future(slow(), timeout=30)
             # the header passed the checks and the service is staging the payload: cancel mid-stream
-            wait_until(server.staged, 10, "a staging file")
+            wait_until(server.staged, 120, "a staging file")
             fut.cancel()
             wait_until(lambda: client.info().counters.rejected_weight_updates == rejected + 1, 10,
                        "the service to see the cancel")
     finally:
         release.set()
     assert client.info().version == version and server.backend.reloads_started == reloads_before
-    wait_until(lambda: server.staged() == [], 10, "the staging file to be removed")
+    wait_until(lambda: server.staged() == [], 120, "the staging file to be removed")
 
 
 def test_swap_is_not_serving_and_later_generates_wait(server: ServerThread, client: RolloutClient):
@@ -444,18 +445,18 @@ def test_swap_is_not_serving_and_later_generates_wait(server: ServerThread, clie
     reloads = backend.reloads_started
     try:
         pusher.start()
-        wait_until(lambda: backend.reloads_started == reloads + 1, 10, "the reload to start")
+        wait_until(lambda: backend.reloads_started == reloads + 1, 120, "the reload to start")
         t_reload_seen = time.perf_counter()
         assert client.health() == NOT_SERVING  # the reload is in progress (held)
         gen.start()
-        wait_until(lambda: len(backend.encoded) == encoded + 1, 10, "the Generate call to reach the engine")
+        wait_until(lambda: len(backend.encoded) == encoded + 1, 120, "the Generate call to reach the engine")
         # it is inside the engine but has not passed the gate (requests count once through it)
         assert client.info().counters.requests == requests and not late
     finally:
         t_release = time.perf_counter()
         server.set(backend.reload_gate)
-        pusher.join(10)
-        gen.join(10)
+        pusher.join(120)
+        gen.join(120)
         backend.reload_gate = None
     assert result["v"] == version + 1 and client.health() == SERVING
     assert [t.policy_version for t in late] == [version + 1] * 2  # sampled after the swap, not before
@@ -470,12 +471,12 @@ def test_a_reload_that_fails_half_way_is_not_serving_until_a_good_push(own_serve
     backend = own_server.backend
     assert backend is not None
     backend.fail_reload = RuntimeError("worker lost the file half-way")
-    with RolloutClient(own_server.address, timeout_s=20) as client:
+    with RolloutClient(own_server.address, timeout_s=120) as client:
         code, msg = _code_and_message(lambda: client.update_weights({k: v * 2 for k, v in MODEL.items()}, 1))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "worker lost the file half-way" in msg
         # the served weights are unknown: not serving, no samples, the version not bumped
         assert client.health() == NOT_SERVING and client.info().version == 0
-        code, msg = _code_and_message(lambda: list(client.generate([[1]], n=1, max_new_tokens=1, timeout_s=5)))
+        code, msg = _code_and_message(lambda: list(client.generate([[1]], n=1, max_new_tokens=1, timeout_s=60)))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "reload failed half-way" in msg
         # a good push repairs it
         backend.fail_reload = None
@@ -493,10 +494,10 @@ def test_a_cancel_during_the_reload_still_commits_the_version(own_server: Server
     assert backend is not None
     new = {k: v * 4 for k, v in MODEL.items()}
     backend.reload_gate = own_server.event()
-    with RolloutClient(own_server.address, timeout_s=20) as client, grpc_channel(own_server.address) as ch:
+    with RolloutClient(own_server.address, timeout_s=120) as client, grpc_channel(own_server.address) as ch:
         fut = pb_grpc.RolloutServiceStub(ch).UpdateWeights.future(iter(_messages(new, 1)), timeout=30)
         try:
-            wait_until(lambda: backend.reloads_started == 1, 10, "the reload to start")
+            wait_until(lambda: backend.reloads_started == 1, 120, "the reload to start")
             rejected = client.info().counters.rejected_weight_updates
             fut.cancel()
             assert fut.cancelled()
@@ -505,11 +506,11 @@ def test_a_cancel_during_the_reload_still_commits_the_version(own_server: Server
             assert client.health() == NOT_SERVING and client.info().version == 0  # still reloading
         finally:
             own_server.set(backend.reload_gate)
-        wait_until(lambda: client.health() == SERVING, 10, "SERVING after the reload")
+        wait_until(lambda: client.health() == SERVING, 120, "SERVING after the reload")
         assert client.info().version == 1
         assert torch.equal(backend.reloaded[-1]["embed.weight"], new["embed.weight"])
         assert [t.policy_version for t in client.generate([[1]], n=1, max_new_tokens=1)] == [1]
-    wait_until(lambda: own_server.staged() == [], 10, "the staging file to be removed")
+    wait_until(lambda: own_server.staged() == [], 120, "the staging file to be removed")
 
 
 def test_a_cancel_while_draining_still_reloads_the_staged_weights(own_server: ServerThread):
@@ -519,13 +520,13 @@ def test_a_cancel_while_draining_still_reloads_the_staged_weights(own_server: Se
     assert backend is not None
     backend.sample_gate, backend.hold_from_sample = own_server.event(), 0
     new = {k: v * 5 for k, v in MODEL.items()}
-    with RolloutClient(own_server.address, timeout_s=20) as client, grpc_channel(own_server.address) as ch:
+    with RolloutClient(own_server.address, timeout_s=120) as client, grpc_channel(own_server.address) as ch:
         sampler = threading.Thread(target=lambda: list(client.generate([[1]], n=1, max_new_tokens=1)))
         sampler.start()
         try:
-            wait_until(lambda: backend.running, 10, "a sample in the engine")
+            wait_until(lambda: backend.running, 120, "a sample in the engine")
             fut = pb_grpc.RolloutServiceStub(ch).UpdateWeights.future(iter(_messages(new, 1)), timeout=30)
-            wait_until(lambda: client.health() == NOT_SERVING, 10, "the swap to close the gate")
+            wait_until(lambda: client.health() == NOT_SERVING, 120, "the swap to close the gate")
             rejected = client.info().counters.rejected_weight_updates
             fut.cancel()
             assert fut.cancelled()
@@ -535,11 +536,11 @@ def test_a_cancel_while_draining_still_reloads_the_staged_weights(own_server: Se
         finally:
             backend.hold_from_sample = None
             own_server.set(backend.sample_gate)
-            sampler.join(10)
-        wait_until(lambda: client.health() == SERVING, 10, "SERVING after the reload")
+            sampler.join(120)
+        wait_until(lambda: client.health() == SERVING, 120, "SERVING after the reload")
         assert client.info().version == 1
         assert torch.equal(backend.reloaded[-1]["embed.weight"], new["embed.weight"])
-    wait_until(lambda: own_server.staged() == [], 10, "the staging file to be removed")
+    wait_until(lambda: own_server.staged() == [], 120, "the staging file to be removed")
 
 
 def test_load_weights_checks_the_directory(tmp_path: Path, client: RolloutClient, server: ServerThread):
@@ -580,7 +581,7 @@ def test_non_finite_weights_are_refused_before_the_engine(tmp_path: Path, client
     info = client.info()
     assert info.version == version and info.counters.rejected_weight_updates == rejected + 2
     assert server.backend.reloads_started == reloads and client.health() == SERVING
-    wait_until(lambda: server.staged() == [], 10, "the staging file to be removed")
+    wait_until(lambda: server.staged() == [], 120, "the staging file to be removed")
 
 
 def test_samples_finishing_together_share_a_message(server: ServerThread):
@@ -594,13 +595,13 @@ def test_samples_finishing_together_share_a_message(server: ServerThread):
     try:
         with grpc_channel(server.address) as ch:
             call = threading.Thread(
-                target=lambda: responses.extend(pb_grpc.RolloutServiceStub(ch).Generate(req, timeout=10))
+                target=lambda: responses.extend(pb_grpc.RolloutServiceStub(ch).Generate(req, timeout=60))
             )
             running = len(backend.running)
             call.start()
-            wait_until(lambda: len(backend.running) == running + 12, 10, "12 samples in the engine")
+            wait_until(lambda: len(backend.running) == running + 12, 120, "12 samples in the engine")
             server.set(backend.sample_gate)
-            call.join(10)
+            call.join(120)
     finally:
         backend.hold_from_sample = None
         server.set(backend.sample_gate)
@@ -630,12 +631,28 @@ def test_a_second_service_on_a_taken_port_fails_instead_of_sharing_it(server: Se
     assert f"cannot listen on 127.0.0.1:{server.port}" in proc.stderr + proc.stdout
 
 
-def test_dead_engine_stops_the_service_with_status_1(tmp_path: Path) -> None:
-    """A crashed engine must not keep answering SERVING: the service goes NOT_SERVING and exits 1."""
+def test_dead_engine_stops_the_service_with_status_1(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A crashed engine must not keep answering SERVING: a health watcher sees SERVING, then NOT_SERVING, and
+    serve() returns 1 (the process's exit status)."""
+    import logging
+    import re
+
+    from grpc_health.v1 import health_pb2_grpc
+
     from rollout_service.server import serve
 
     save_file(MODEL, str(tmp_path / "model.safetensors"))
     backend = FakeBackend(str(tmp_path))
+    statuses: list[int] = []
+
+    def watch(address: str) -> None:
+        with grpc_channel(address) as ch:
+            try:
+                for r in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=300):
+                    statuses.append(r.status)
+            except grpc.RpcError:  # the server stopped
+                pass
 
     async def main() -> int:
         loaded = asyncio.Event()
@@ -646,13 +663,20 @@ def test_dead_engine_stops_the_service_with_status_1(tmp_path: Path) -> None:
 
         settings = RolloutSettings(model=str(tmp_path), port=0, staging_dir=str(tmp_path / "staging"))
         task = asyncio.ensure_future(serve(settings, make_backend))
-        await asyncio.wait_for(loaded.wait(), timeout=30)
-        await asyncio.sleep(0)  # let serve() see the loaded engine
+        await asyncio.wait_for(loaded.wait(), timeout=120)
+        port = int(re.search(r"listening on [^\s:]+:(\d+)", caplog.text).group(1))
+        watcher = threading.Thread(target=watch, args=(f"127.0.0.1:{port}",), daemon=True)
+        watcher.start()
+        await asyncio.to_thread(wait_until, lambda: SERVING in statuses, 120, "SERVING")
         assert not task.done()  # healthy engine: keeps serving
         backend.dead = True
-        return await asyncio.wait_for(task, timeout=30)
+        code = await asyncio.wait_for(task, timeout=120)
+        await asyncio.to_thread(watcher.join, 120)
+        return code
 
-    assert asyncio.run(main()) == 1
+    with caplog.at_level(logging.INFO, logger="rollout_service"):
+        assert asyncio.run(main()) == 1
+    assert statuses[0] == SERVING and NOT_SERVING in statuses[statuses.index(SERVING):]
 
 
 def test_a_push_of_the_served_version_counts_as_applied(server: ServerThread, client: RolloutClient):
@@ -681,25 +705,25 @@ def test_inplace_swap_keeps_samples_in_flight_and_reports_both_versions(model_di
         assert backend is not None
         backend.sample_gate, backend.hold_from_sample = s.event(), 1  # sample 1 runs until released
         new = {k: v * 2 for k, v in MODEL.items()}
-        with RolloutClient(s.address, timeout_s=20) as client:
+        with RolloutClient(s.address, timeout_s=120) as client:
             out: list[pb.Trajectory] = []
             sampler = threading.Thread(target=lambda: out.extend(client.generate([[1]], n=2, max_new_tokens=1)))
             sampler.start()
             try:
-                wait_until(lambda: backend.running, 10, "a sample in the engine")
+                wait_until(lambda: backend.running, 120, "a sample in the engine")
                 backend.reload_gate = s.event()
                 pusher = threading.Thread(target=lambda: client.update_weights(new, 1))
                 pusher.start()
-                wait_until(lambda: backend.reloads_started == 1, 10, "the reload to start while a sample runs")
+                wait_until(lambda: backend.reloads_started == 1, 120, "the reload to start while a sample runs")
                 assert backend.running and client.health() == SERVING  # no drain, no NOT_SERVING
                 s.set(backend.reload_gate)
-                pusher.join(10)
+                pusher.join(120)
                 assert client.info().version == 1 and backend.reloads_keep_running == [True]
                 assert client.last_weights_response.drain_s == 0.0
             finally:
                 backend.hold_from_sample = None
                 s.set(backend.sample_gate)
-                sampler.join(10)
+                sampler.join(120)
             by_sample = {t.sample_index: t for t in out}
             assert [(by_sample[j].policy_version, by_sample[j].last_policy_version) for j in (0, 1)] == [(0, 0), (0, 1)]
             assert [(t.policy_version, t.last_policy_version) for t in client.generate([[1]], n=1, max_new_tokens=1)
@@ -718,13 +742,13 @@ def test_inplace_swap_keeps_samples_in_flight_and_reports_both_versions(model_di
             sampler = threading.Thread(target=sample)
             sampler.start()
             try:
-                wait_until(lambda: backend.running, 10, "a sample in the engine")
+                wait_until(lambda: backend.running, 120, "a sample in the engine")
                 code, _ = _code_and_message(lambda: client.update_weights(new, 2))
                 assert code == grpc.StatusCode.FAILED_PRECONDITION and client.health() == NOT_SERVING
             finally:
                 backend.hold_from_sample = None
                 s.set(backend.sample_gate)
-                sampler.join(10)
+                sampler.join(120)
             assert [e.code() for e in errors] == [grpc.StatusCode.FAILED_PRECONDITION]
             backend.fail_reload = None
             assert client.update_weights(new, 2) == 2 and client.health() == SERVING

@@ -80,7 +80,7 @@ def test_a_push_during_generation_keeps_the_samples_and_later_tokens_use_the_new
             t.start()
         try:
             wait_until(lambda: client.info().counters.running_requests > 0
-                       or not all(t.is_alive() for t in samplers), 60, "the samples to reach the engine")
+                       or not all(t.is_alive() for t in samplers), 300, "the samples to reach the engine")
             assert client.update_weights(new_state, v0 + 1) == v0 + 1
             assert client.last_weights_response.drain_s == 0.0
         finally:
