@@ -15,8 +15,8 @@ fp32. Activation checkpointing (optional) is the HF model's own (non-reentrant),
 
 The trainer's ranks use it through `forkrl/training/policy.py` (`load_policy` shards when the process group
 has > 1 rank) and `forkrl/training/ranks.py`; their checkpoints (gathered HF weights + AdamW shards with
-torch.distributed.checkpoint) in `forkrl/weights/sharded.py`. Not built (docs/scaling.md): streaming the
-gathered weights to the rollout services.
+torch.distributed.checkpoint) in `forkrl/weights/sharded.py`; the push streams the shards layer by layer into
+the rollout services through vLLM's weight-transfer API (forkrl/weights/transfer_gloo.py, docs/scaling.md).
 """
 
 from __future__ import annotations

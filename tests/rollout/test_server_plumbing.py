@@ -56,7 +56,8 @@ class FakeBackend:
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self.engine_settings = {"dtype": "float32", "device": "fake", "engine_mode": "fake"}
+        self.engine_settings = {"dtype": "float32", "device": "fake", "engine_mode": "fake",
+                                "weight_transfer_backend": "gloo", "weight_transfer_workers": 1}
         self.running: set[str] = set()
         self.finished: list[str] = []
         self.aborted: list[str] = []
@@ -69,6 +70,7 @@ class FakeBackend:
         self.reload_gate: asyncio.Event | None = None
         self.fail_reload: Exception | None = None
         self.dead = False
+        self.transfer_calls: list[tuple[str, Any]] = []  # vLLM's weight-transfer API, in call order
 
     def encode(self, text: str) -> list[int]:
         self.encoded.append(text)
@@ -103,6 +105,25 @@ class FakeBackend:
         self.reloaded.append(state)
         if before_resume is not None:
             before_resume()
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        self.transfer_calls.append(("init", init_info))
+
+    async def start_weight_update(self) -> None:
+        self.transfer_calls.append(("start", None))
+
+    async def update_weights(self, update_info: dict) -> None:
+        self.transfer_calls.append(("update", update_info))
+
+    async def finish_weight_update(self, version: int, before_resume: Any) -> None:
+        self.transfer_calls.append(("finish", version))
+        before_resume()
+
+    async def abort_weight_update(self) -> None:
+        self.transfer_calls.append(("abort", None))
+
+    async def shutdown_weight_transfer(self) -> None:
+        self.transfer_calls.append(("shutdown", None))
 
     def num_unfinished(self) -> int:
         return len(self.running)
@@ -752,5 +773,71 @@ def test_inplace_swap_keeps_samples_in_flight_and_reports_both_versions(model_di
             assert [e.code() for e in errors] == [grpc.StatusCode.FAILED_PRECONDITION]
             backend.fail_reload = None
             assert client.update_weights(new, 2) == 2 and client.health() == SERVING
+    finally:
+        s.stop()
+
+
+def test_a_weight_transfer_session_commits_only_a_whole_model(own_server: ServerThread):
+    """The session rules of rollout_service/transfer.py with the fake engine: the calls reach the engine in order,
+    Finish commits the version once every tensor came; a Finish that lacks one ends the session with the weights
+    reported broken (a chunk had reached the engine) until a good push."""
+    backend = own_server.backend
+    assert backend is not None
+    with RolloutClient(own_server.address, timeout_s=120) as c:
+        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)
+        assert backend.transfer_calls[-1][1]["rank_offset"] == 1 and backend.transfer_calls[-1][1]["timeout_s"] == 300
+        c.start_weight_update("run-a", 1)
+        assert c.info().lease_run_id == "run-a"
+        c.update_weight_chunk("run-a", 1, ["embed.weight"], ["float32"], [[50, 8]])
+        code, msg = _code_and_message(lambda: c.update_weight_chunk("run-a", 1, ["embed.weight"], ["float32"],
+                                                                    [[50, 8]]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "sent twice" in msg  # the refusal ends the session
+        assert backend.transfer_calls[-2:] == [("update", {"names": ["embed.weight"], "dtype_names": ["float32"],
+                                                           "shapes": [[50, 8]], "discard": True}), ("abort", None)]
+        assert c.health() == NOT_SERVING and c.info().version == 0  # a chunk had reached the engine
+        code, msg = _code_and_message(lambda: list(c.generate([[1]], n=1, max_new_tokens=1, timeout_s=60)))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "ended half-way" in msg
+        c.start_weight_update("run-a", 1)
+        c.update_weight_chunk("run-a", 1, ["embed.weight"], ["float32"], [[50, 8]])
+        code, msg = _code_and_message(lambda: c.finish_weight_update("run-a", 1))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "lacks 1 tensor(s) of the served model: norm.weight" in msg
+        c.start_weight_update("run-a", 1)
+        for name, shape in (("embed.weight", [50, 8]), ("norm.weight", [8])):
+            c.update_weight_chunk("run-a", 1, [name], ["float32"], [shape])
+        resp = c.finish_weight_update("run-a", 1)
+        assert resp.version == 1 and c.info().version == 1 and c.health() == SERVING
+        assert backend.transfer_calls[-1] == ("finish", 1) and c.info().counters.weight_reloads == 1
+        # a session and its refusals: wrong run, stale version, a second session, a chunk of another session
+        code, msg = _code_and_message(lambda: c.start_weight_update("run-b", 2))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "leased to run 'run-a'" in msg
+        assert _code_and_message(lambda: c.start_weight_update("run-a", 1))[0] == grpc.StatusCode.ABORTED
+        c.start_weight_update("run-a", 2)
+        code, msg = _code_and_message(lambda: c.start_weight_update("run-a", 2))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "in progress" in msg
+        code, msg = _code_and_message(lambda: c.update_weight_chunk("run-a", 3, ["norm.weight"], ["float32"], [[8]]))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "not run 'run-a''s to version 3" in msg
+        assert c.abort_weight_update("run-a", 2) and c.health() == SERVING and c.info().version == 1  # untouched
+
+
+def test_an_abandoned_weight_transfer_session_ends_and_generation_resumes(model_dir: Path, tmp_path: Path):
+    """No call for transfer_timeout_s (the trainer died after a chunk): the session ends (vLLM's reload finalized,
+    generation resumed) and the weights are broken until a push; a session with no chunk leaves them intact."""
+    s = ServerThread(model_dir, tmp_path / "staging", transfer_timeout_s=0.5)
+    try:
+        backend = s.backend
+        assert backend is not None
+        with RolloutClient(s.address, timeout_s=120) as c:
+            c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)
+            c.start_weight_update("run-a", 1)
+            wait_until(lambda: ("abort", None) in backend.transfer_calls, 120, "the empty session to end")
+            wait_until(lambda: c.health() == SERVING, 120, "SERVING again")  # nothing reached the engine
+            c.start_weight_update("run-a", 1)
+            c.update_weight_chunk("run-a", 1, ["norm.weight"], ["float32"], [[8]])
+            wait_until(lambda: backend.transfer_calls.count(("abort", None)) == 2, 120, "the abandoned session to end")
+            assert c.health() == NOT_SERVING and c.info().version == 0
+            code, msg = _code_and_message(lambda: c.finish_weight_update("run-a", 1))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "no weight update in progress" in msg
+            assert c.update_weights({k: v * 2 for k, v in MODEL.items()}, 1, run_id="run-a") == 1
+            assert c.health() == SERVING
     finally:
         s.stop()
