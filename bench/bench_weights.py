@@ -23,8 +23,10 @@ same time and the repetitions alternate:
 Prints medians, the ratio route / in-process (goal <= 1.5) side by side for the models, where each route's time
 goes (the service's apply: drain + reload, or for transfer the whole paused session), and the trainer's peak extra
 memory per push: this process's peak resident memory during the push above its resident memory before it (the
-kernel's high-water mark, reset before each push through /proc/self/clear_refs), and for transfer the largest
-layerwise group it held gathered at once. The machine's other load shows in every number: say so with them.
+kernel's high-water mark, reset before each push through /proc/self/clear_refs), and for transfer the most bytes
+of layerwise groups it held gathered at once (two: the one sent and the one before it, still in flight; for a
+model that is not sharded they are its own parameters, so nothing is added). The machine's other load shows in
+every number: say so with them.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def bench_model(name: str, routes: list[str], args: argparse.Namespace) -> dict[
                         apply[route].append(rollouts.last_swap["swap_apply_s"])
                         peak[route].append(extra)
                     if route == "transfer":
-                        largest = rollouts.last_transfer["largest_group_bytes"] / 2**20
+                        largest = rollouts.last_transfer["peak_held_bytes"] / 2**20
                     line.append(f"{route} {t:.3f} s (apply {rollouts.last_swap['swap_apply_s']:.3f}, +{extra:.0f} MiB)")
                 t = time.perf_counter()
                 llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
@@ -164,7 +166,7 @@ def main() -> int:
         cells = []
         for n in names:
             x = results[n][r]
-            held = f", layer {x['largest_mib']:.0f}" if r == "transfer" else ""
+            held = f", held {x['largest_mib']:.0f}" if r == "transfer" else ""
             cells.append(f"{x['s']:.3f} s x{x['ratio']:.2f} (apply {x['apply']:.3f}) +{x['peak_mib']:.0f} MiB{held}")
         print(f"{r:8s}" + "".join(f"  {c:>46s}" for c in cells))
     return 0

@@ -309,8 +309,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self, request: pb.UpdateWeightChunkRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightChunkResponse:
         try:
+            following = {"names": list(request.next_names), "dtype_names": list(request.next_dtype_names),
+                         "shapes": [list(x.dims) for x in request.next_shapes]} if request.next_names else None
             await self._ready().transfer.chunk(request.run_id, request.target_version, list(request.names),
-                                               list(request.dtype_names), [list(x.dims) for x in request.shapes])
+                                               list(request.dtype_names), [list(x.dims) for x in request.shapes],
+                                               following)
             return pb.UpdateWeightChunkResponse()
         except asyncio.CancelledError:
             raise

@@ -10,6 +10,8 @@ from the trainer's broadcast during the call), FinishWeightUpdate. Rules (`Weigh
   KV cache kept) until the end; drain: the gate closes first and waits for the samples in flight, as a push does.
 - UpdateWeightChunk names, dtypes and shapes are checked against the served model before the engine is touched;
   a refused chunk is still received (and dropped), so the trainer's broadcast completes, and ends the session.
+  With gloo a chunk also names the one that follows, whose receives the workers post at once (the trainer sends
+  it while they load this one).
 - FinishWeightUpdate needs every tensor of the served model once; it finalizes vLLM's reload, bumps the version
   (also vLLM's weight_version), salts the prefix cache anew and resumes: a sample in flight reports both versions
   (policy_version / last_policy_version), as with any in-place push.
@@ -17,7 +19,8 @@ from the trainer's broadcast during the call), FinishWeightUpdate. Rules (`Weigh
   the trainer is gone) finalizes vLLM's reload (every layer that received nothing gets its kept tensors back) and
   resumes. Once a chunk reached the engine, the weights are a mix: the service then says so (FAILED_PRECONDITION
   and NOT_SERVING) until a push succeeds, as after a reload that failed half-way. Before that, the old weights
-  serve on. A chunk that failed in the transfer itself also drops the process group (InitWeightTransfer again).
+  serve on. Any such end also leaves the process group (receives may be posted for chunks that will not come):
+  the trainer calls InitWeightTransfer again before its next push.
 """
 
 from __future__ import annotations
@@ -82,8 +85,9 @@ class WeightTransfer:
         return await _detached(self._start(run_id, target_version))
 
     async def chunk(self, run_id: str, target_version: int, names: Sequence[str], dtype_names: Sequence[str],
-                    shapes: Sequence[Sequence[int]]) -> None:
-        return await _detached(self._chunk(run_id, target_version, names, dtype_names, shapes))
+                    shapes: Sequence[Sequence[int]], following: dict[str, Any] | None = None) -> None:
+        """`following`: the next chunk's names, dtypes and shapes (gloo: its receives are posted behind this one's)."""
+        return await _detached(self._chunk(run_id, target_version, names, dtype_names, shapes, following))
 
     async def finish(self, run_id: str, target_version: int) -> float:
         """Commit the session; returns the seconds from Start to the resume (generation paused meanwhile)."""
@@ -154,15 +158,18 @@ class WeightTransfer:
         self._session = s
 
     async def _chunk(self, run_id: str, target_version: int, names: Sequence[str], dtype_names: Sequence[str],
-                     shapes: Sequence[Sequence[int]]) -> None:
+                     shapes: Sequence[Sequence[int]], following: dict[str, Any] | None) -> None:
         s = self._current(run_id, target_version)
-        info = {"names": list(names), "dtype_names": list(dtype_names), "shapes": [list(x) for x in shapes]}
+        info: dict[str, Any] = {"names": list(names), "dtype_names": list(dtype_names),
+                                "shapes": [list(x) for x in shapes]}
+        if following and self.backend_name == "gloo":
+            info["next"] = following
         s.busy = True
         try:
             try:
                 self._check_chunk(s, info)
             except InvalidArgument as e:
-                await self._end(s, f"a refused chunk ({e})", drain=info)
+                await self._end(s, f"a refused chunk ({e})", drain={k: v for k, v in info.items() if k != "next"})
                 raise
             s.touched = True
             try:
@@ -171,7 +178,7 @@ class WeightTransfer:
                 # a NaN or inf the workers refused (forkrl/weights/transfer_gloo.py; vLLM passes a worker's error
                 # on as its message): the trainer's fault, the group is fine. Anything else: the group failed.
                 nonfinite = "holds NaN or inf" in str(e)
-                await self._end(s, f"a chunk failed ({type(e).__name__}: {e})", drop_group=not nonfinite)
+                await self._end(s, f"a chunk failed ({type(e).__name__}: {e})")
                 raise (InvalidArgument if nonfinite else FailedPrecondition)(
                     f"UpdateWeightChunk failed ({e}); the served weights are broken until a push or load "
                     "succeeds") from None
@@ -279,9 +286,9 @@ class WeightTransfer:
             await engine.set_serving(True)
         engine.apply_lock.release()
 
-    async def _end(self, s: _Session, why: str, *, drain: dict[str, Any] | None = None,
-                   drop_group: bool = False) -> None:
-        """End `s` without a commit: receive a refused chunk (`drain`), finalize vLLM's reload, resume."""
+    async def _end(self, s: _Session, why: str, *, drain: dict[str, Any] | None = None) -> None:
+        """End `s` without a commit: receive a refused chunk (`drain`), finalize vLLM's reload, resume, and leave the
+        process group (receives may be posted ahead for chunks that will not come: the trainer forms it again)."""
         if self._session is not s:
             return
         self._close(s)
@@ -289,10 +296,8 @@ class WeightTransfer:
         engine.counters.rejected_weight_updates += 1
         try:
             if drain is not None:
-                try:  # received and dropped: the trainer's broadcast of the chunk completes
+                with contextlib.suppress(Exception):  # received and dropped: the trainer's broadcast completes
                     await engine.backend.update_weights(drain | {"discard": True})
-                except Exception:  # noqa: BLE001 - the group is unusable then
-                    drop_group = True
             try:
                 await engine.backend.abort_weight_update()
             except Exception as e:  # noqa: BLE001 - the model's state is unknown
@@ -303,7 +308,7 @@ class WeightTransfer:
                                          "the served weights are unknown until a push or load succeeds")
             log.warning("weight update of run %s to version %d ended without a commit: %s%s", s.run_id,
                         s.target_version, why, "; the weights are broken" if s.touched else "; the old weights serve")
-            if drop_group and self.initialized:
+            if self.initialized:
                 self.initialized = False
                 with contextlib.suppress(Exception):
                     await engine.backend.shutdown_weight_transfer()

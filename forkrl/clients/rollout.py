@@ -234,11 +234,16 @@ class RolloutClient:
                                      wait_for_ready=self.wait_for_ready)
 
     def update_weight_chunk(self, run_id: str, target_version: int, names: Sequence[str], dtype_names: Sequence[str],
-                            shapes: Sequence[Sequence[int]], *, timeout_s: float | None = None) -> None:
-        """One chunk: the service's workers receive these tensors from the trainer's broadcast during the call."""
+                            shapes: Sequence[Sequence[int]], *, next: Mapping[str, Any] | None = None,
+                            timeout_s: float | None = None) -> None:
+        """One chunk: the service's workers receive these tensors from the trainer's broadcast during the call.
+        `next` ({names, dtype_names, shapes}): the chunk that follows (gloo: received while this one loads)."""
+        n = next or {}
         self._stub.UpdateWeightChunk(pb.UpdateWeightChunkRequest(
             run_id=run_id, target_version=target_version, names=list(names), dtype_names=list(dtype_names),
-            shapes=[pb.TensorShape(dims=list(s)) for s in shapes]),
+            shapes=[pb.TensorShape(dims=list(s)) for s in shapes], next_names=list(n.get("names", [])),
+            next_dtype_names=list(n.get("dtype_names", [])),
+            next_shapes=[pb.TensorShape(dims=list(s)) for s in n.get("shapes", [])]),
             timeout=self.timeout_s if timeout_s is None else timeout_s, wait_for_ready=self.wait_for_ready)
 
     def finish_weight_update(self, run_id: str, target_version: int, *,
@@ -297,7 +302,8 @@ class RolloutWeightSync:
         if not isinstance(update_info, dict):
             raise ValueError("per-worker update infos are not supported: every worker receives the same chunk")
         self._each(lambda j, c: c.update_weight_chunk(self.run_id, self.targets[j], update_info["names"],
-                                                      update_info["dtype_names"], update_info["shapes"]))
+                                                      update_info["dtype_names"], update_info["shapes"],
+                                                      next=update_info.get("next")))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Commit on every service (each as its own targets[j]; `weight_version`, the trainer's, is not sent)."""

@@ -19,19 +19,21 @@ FSDP ranks and vLLM's worker each have one) and broadcasts with the ProcessGroup
 
 The sender streams layer by layer (`WeightSource.iter_groups`, vLLM's `layerwise_groups`): per group every trainer
 rank materializes the group's tensors (FSDP2 all-gathers), the sender calls the engine's `update_weights` for
-that group concurrently with broadcasting the tensors, then they are freed: the trainer's extra memory is one
-group (a decoder layer, or the embeddings), never the model. A worker checks every received tensor is finite and
+that group concurrently with broadcasting the tensors, then they are freed. Pipelined: each chunk names the one
+that follows (`next`), so the workers post its receives at once and the sender broadcasts it while the workers
+still load (vLLM's layerwise processing) the current one; the trainer holds at most two groups (a decoder layer,
+or the embeddings) gathered at a time, never the model. A worker checks every received tensor is finite and
 refuses the chunk otherwise (`NonFiniteWeights`); a chunk its service refused before loading is received and
-dropped (`discard`), so the sender's broadcasts always complete.
+dropped (`discard`). An update that ends without finishing drops the group on both sides (receives posted ahead
+cannot be taken back): the trainer forms it again for its next push.
 """
 
 from __future__ import annotations
 
 import datetime
-import queue
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -54,7 +56,7 @@ from forkrl.weights.safetensors import DTYPES
 BACKEND = "gloo"
 TIMEOUT_S = 300.0  # one broadcast (and the TCPStore) may wait this long for a peer
 CONNECT_TIMEOUT_S = 60.0  # joining the group: every member connects within this
-_PREFETCH = 2  # tensors received ahead of the one being loaded
+Spec = tuple[str, str, list[int]]  # one tensor of a chunk: name, dtype name, shape
 
 
 class NonFiniteWeights(ValueError):
@@ -82,20 +84,36 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """One chunk: the tensors the sender broadcasts next, in order. `discard`: receive them and drop them."""
+    """One chunk: the tensors the sender broadcasts next, in order. `discard`: receive them and drop them. `next`:
+    the chunk that follows ({names, dtype_names, shapes}), received while this one loads."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     discard: bool = False
+    next: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise ValueError(f"names, dtype_names and shapes must have one entry per tensor, got "
-                             f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}")
-        for name, dtype in zip(self.names, self.dtype_names, strict=True):
-            if dtype not in DTYPES:
-                raise ValueError(f"tensor {name!r}: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        _specs(self.names, self.dtype_names, self.shapes)
+        if self.next is not None:
+            _specs(self.next.get("names", []), self.next.get("dtype_names", []), self.next.get("shapes", []))
+
+    def specs(self) -> list[Spec]:
+        return _specs(self.names, self.dtype_names, self.shapes)
+
+    def next_specs(self) -> list[Spec]:
+        n = self.next or {}
+        return _specs(n.get("names", []), n.get("dtype_names", []), n.get("shapes", []))
+
+
+def _specs(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[Spec]:
+    if not len(names) == len(dtype_names) == len(shapes):
+        raise ValueError(f"names, dtype_names and shapes must have one entry per tensor, got "
+                         f"{len(names)}, {len(dtype_names)}, {len(shapes)}")
+    for name, dtype in zip(names, dtype_names, strict=True):
+        if dtype not in DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return [(n, d, [int(x) for x in s]) for n, d, s in zip(names, dtype_names, shapes, strict=True)]
 
 
 @dataclass
@@ -130,10 +148,16 @@ def _join(address: str, port: int, rank: int, world_size: int, timeout_s: float,
     return init_gloo_process_group(PrefixStore(f"forkrl-weights/{address}:{port}", store), rank, world_size, timeout)
 
 
-def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+def _post(group: Any, tensor: torch.Tensor) -> Any:
+    """Post a broadcast from rank 0 (sent from `tensor` on rank 0, received into it elsewhere); its Work. Posted
+    ops run in posting order on every rank."""
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
-    group.broadcast([tensor], opts).wait()
+    return group.broadcast([tensor], opts)
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+    _post(group, tensor).wait()
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
@@ -148,6 +172,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         super().__init__(config, vllm_config, device, model)
         self.group: Any = None
         self.in_update = False  # between start_weight_update and finish (or abort)
+        self._ahead: tuple[list[Spec], list[torch.Tensor], list[Any]] | None = None  # the next chunk, posted
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()  # a new trainer connection replaces the last one
@@ -165,79 +190,79 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.in_update = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # vLLM's base class also calls torch.accelerator.synchronize(), which raises on a CPU-only machine; the
-        # broadcasts here are synchronous (`wait()`), so there is nothing to synchronize
+        # vLLM's base class also calls torch.accelerator.synchronize(), which raises on a CPU-only machine; every
+        # broadcast this chunk needs is waited for here, so there is nothing to synchronize
         self.receive_weights(self.parse_update_info(update_info))
 
+    def _post_all(self, specs: list[Spec]) -> tuple[list[torch.Tensor], list[Any]]:
+        tensors = [torch.empty(shape, dtype=DTYPES[dtype]) for _, dtype, shape in specs]
+        return tensors, [_post(self.group, t) for t in tensors]
+
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
-        """Receive the chunk's tensors (a thread receives up to _PREFETCH ahead of the one being loaded) and load
-        each finite one. Every tensor is received whatever happens, so the sender's broadcasts complete; a NaN
-        or inf raises NonFiniteWeights at the end, naming the first such tensor (the tensors after it are not
-        loaded)."""
+        """Receive the chunk's tensors (posted by the previous chunk when it announced this one) and load each
+        finite one as it arrives, while the next chunk's receives (`next`) run behind them. Every tensor of the
+        chunk is received; a NaN or inf raises NonFiniteWeights at the end, naming the first such tensor (the
+        tensors after it are not loaded)."""
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized (init_weight_transfer_engine first)")
-        specs = list(zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True))
-        received: queue.Queue[tuple[str, torch.Tensor] | BaseException | None] = queue.Queue(maxsize=_PREFETCH)
-
-        def receive() -> None:
-            try:
-                for name, dtype, shape in specs:
-                    t = torch.empty(shape, dtype=DTYPES[dtype])
-                    _broadcast(self.group, t)
-                    received.put((name, t))
-                received.put(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the loading thread
-                received.put(e)
-
+        specs = update_info.specs()
+        if self._ahead is not None:
+            announced, tensors, works = self._ahead
+            self._ahead = None
+            if announced != specs:
+                self.shutdown()  # receives are posted for other tensors: the group is out of step
+                raise RuntimeError("the chunk is not the one the previous chunk announced; the group is dropped")
+        else:
+            tensors, works = self._post_all(specs)
+        if update_info.next and not update_info.discard:
+            following = update_info.next_specs()
+            self._ahead = (following, *self._post_all(following))
         bad: list[str] = []
 
-        def finite() -> Iterator[tuple[str, torch.Tensor]]:
-            while (item := received.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                if not (update_info.discard or bad):
-                    if is_finite(item[1]):
-                        yield item
-                    else:
-                        bad.append(item[0])
+        def arrived() -> Iterator[tuple[str, torch.Tensor]]:
+            for (name, _, _), t, work in zip(specs, tensors, works, strict=True):
+                work.wait()
+                if update_info.discard or bad:
+                    continue
+                if is_finite(t):
+                    yield name, t
+                else:
+                    bad.append(name)
 
-        receiver = threading.Thread(target=receive, name="forkrl-gloo-receive", daemon=True)
-        receiver.start()
-        stream = finite()
-        try:
-            if update_info.discard:
-                for _ in stream:
-                    pass
-            else:
-                from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        stream = arrived()
+        if not update_info.discard:
+            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-                with disable_mtp_completeness_check():
-                    self.model.load_weights(stream)
-                for _ in stream:  # whatever load_weights left unread is still received
-                    pass
-        finally:
-            while receiver.is_alive():  # an error while loading: drain, so the sender is not left waiting
-                item = received.get()
-                if item is None or isinstance(item, BaseException):
-                    break
-            receiver.join()
+            with disable_mtp_completeness_check():
+                self.model.load_weights(stream)
+        for _ in stream:  # whatever was not loaded is still received
+            pass
         if bad:
             raise NonFiniteWeights(f"tensor {bad[0]!r} holds NaN or inf values")
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        if self._ahead is not None:
+            raise RuntimeError("the update finished with a chunk announced and never sent")
         finalize_layerwise_reload(self.model, self.model_config)
         self.in_update = False
 
     def abort_weight_update(self) -> None:
         """End an update that will not finish: vLLM's finalize puts the kept tensors back in every layer that got
-        nothing (a model with a layer left on the meta device cannot run); layers that were loaded keep theirs."""
+        nothing (a model with a layer left on the meta device cannot run); layers that were loaded keep theirs.
+        Receives posted ahead cannot be taken back: the group is dropped (the trainer forms it again)."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.shutdown()
         if self.in_update:
-            self.finish_weight_update()
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+            self.in_update = False
 
     def shutdown(self) -> None:
-        group, self.group = self.group, None
+        group, self.group, self._ahead = self.group, None, None
         if group is not None:
             try:
                 group.shutdown()
@@ -256,7 +281,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.group: Any = None
         self.port = 0
-        self.last_stats: dict[str, float] = {}  # of the last send: bytes, groups, the largest group's bytes
+        self.last_stats: dict[str, float] = {}  # of the last send: bytes, groups, peak_held_bytes
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -298,39 +323,65 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.send()
 
     def send(self, weight_version: str | None = None) -> None:
-        """start -> one update_weights per layerwise group, concurrent with its broadcast -> finish. Every rank
-        iterates the whole source even after an error (the others are in its gathers); the error is raised after."""
+        """start -> one update_weights per layerwise group, concurrent with its broadcast -> finish. Pipelined:
+        group g's broadcasts are posted before group g-1's update returns (the workers posted g's receives when
+        g-1 announced it), so g travels while the workers load g-1. Every rank iterates the whole source even
+        after an error (the others are in its gathers); the error is raised after."""
         assert self.source is not None
+        source = self.source
         if not self.is_sender:
-            for _ in self.source.iter_groups():
+            for _ in source.iter_groups():
                 pass
             return
         assert self.group is not None, "trainer_init() first"
+        meta = {m.name: m for m in source.metadata()}
+        order = source.groups()
+
+        def chunk(g: int) -> dict[str, Any]:
+            names = order[g]
+            return {"names": list(names), "dtype_names": [str(meta[n].dtype).removeprefix("torch.") for n in names],
+                    "shapes": [list(meta[n].shape) for n in names]}
+
         self.client.start_weight_update()
         error: BaseException | None = None
-        sent = largest = groups = 0
+        sent = held = groups = 0  # held: the most bytes of gathered groups alive at once (this one + the last)
         rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkrl-gloo-rpc")
+        previous: tuple[Any, list[Any], list[torch.Tensor], int] | None = None  # call, works, tensors, bytes
         try:
-            for names, tensors in self.source.iter_groups():  # each rank materializes the group here
+            for g, (_, tensors) in enumerate(source.iter_groups()):  # each rank materializes the group here
+                groups += 1
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                largest, groups = max(largest, nbytes), groups + 1
-                if error is None:
-                    try:
-                        info = {"names": names, "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                                "shapes": [list(t.shape) for t in tensors]}
+                if error is not None:
+                    del tensors
+                    continue
+                try:
+                    info = chunk(g) | {"next": chunk(g + 1) if g + 1 < len(order) else None}
+                    if previous is None:
                         call = rpc.submit(self.client.update_weights, info)
-                        if call.done():  # refused before receiving: no peer for the broadcasts
-                            call.result()
-                        for t in tensors:
-                            _broadcast(self.group, t if t.is_contiguous() else t.contiguous())
-                        call.result()
-                        sent += nbytes
-                    except BaseException as e:  # noqa: BLE001 - raised once every rank is through the source
-                        error = e
+                    tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+                    works = [_post(self.group, t) for t in tensors]
+                    held = max(held, nbytes + (previous[3] if previous is not None else 0))
+                    if previous is not None:
+                        previous[0].result()  # the workers loaded g-1 (and posted g's receives before)
+                        for w in previous[1]:
+                            w.wait()
+                        sent += previous[3]
+                        call = rpc.submit(self.client.update_weights, info)
+                    previous = (call, works, tensors, nbytes)
+                except BaseException as e:  # noqa: BLE001 - raised once every rank is through the source
+                    error = e
                 del tensors
+            if error is None and previous is not None:
+                previous[0].result()
+                for w in previous[1]:
+                    w.wait()
+                sent += previous[3]
+        except BaseException as e:  # noqa: BLE001
+            error = error or e
         finally:
+            previous = None
             rpc.shutdown(wait=False)  # never wait on a call whose broadcast peer may be gone
-        self.last_stats = {"bytes": float(sent), "groups": float(groups), "largest_group_bytes": float(largest)}
+        self.last_stats = {"bytes": float(sent), "groups": float(groups), "peak_held_bytes": float(held)}
         if error is not None:
             raise error
         self.client.finish_weight_update(weight_version)

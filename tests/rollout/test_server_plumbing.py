@@ -792,15 +792,23 @@ def test_a_weight_transfer_session_commits_only_a_whole_model(own_server: Server
         code, msg = _code_and_message(lambda: c.update_weight_chunk("run-a", 1, ["embed.weight"], ["float32"],
                                                                     [[50, 8]]))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "sent twice" in msg  # the refusal ends the session
-        assert backend.transfer_calls[-2:] == [("update", {"names": ["embed.weight"], "dtype_names": ["float32"],
-                                                           "shapes": [[50, 8]], "discard": True}), ("abort", None)]
+        assert backend.transfer_calls[-3:] == [("update", {"names": ["embed.weight"], "dtype_names": ["float32"],
+                                                           "shapes": [[50, 8]], "discard": True}), ("abort", None),
+                                               ("shutdown", None)]  # the group is left: receives may be posted
         assert c.health() == NOT_SERVING and c.info().version == 0  # a chunk had reached the engine
         code, msg = _code_and_message(lambda: list(c.generate([[1]], n=1, max_new_tokens=1, timeout_s=60)))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "ended half-way" in msg
+        code, msg = _code_and_message(lambda: c.start_weight_update("run-a", 1))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "InitWeightTransfer first" in msg
+        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)
         c.start_weight_update("run-a", 1)
-        c.update_weight_chunk("run-a", 1, ["embed.weight"], ["float32"], [[50, 8]])
+        c.update_weight_chunk("run-a", 1, ["embed.weight"], ["float32"], [[50, 8]],
+                              next={"names": ["norm.weight"], "dtype_names": ["float32"], "shapes": [[8]]})
+        assert backend.transfer_calls[-1][1]["next"] == {"names": ["norm.weight"], "dtype_names": ["float32"],
+                                                         "shapes": [[8]]}
         code, msg = _code_and_message(lambda: c.finish_weight_update("run-a", 1))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "lacks 1 tensor(s) of the served model: norm.weight" in msg
+        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)
         c.start_weight_update("run-a", 1)
         for name, shape in (("embed.weight", [50, 8]), ("norm.weight", [8])):
             c.update_weight_chunk("run-a", 1, [name], ["float32"], [shape])
@@ -831,6 +839,7 @@ def test_an_abandoned_weight_transfer_session_ends_and_generation_resumes(model_
             c.start_weight_update("run-a", 1)
             wait_until(lambda: ("abort", None) in backend.transfer_calls, 120, "the empty session to end")
             wait_until(lambda: c.health() == SERVING, 120, "SERVING again")  # nothing reached the engine
+            c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)  # the session's end left the group
             c.start_weight_update("run-a", 1)
             c.update_weight_chunk("run-a", 1, ["norm.weight"], ["float32"], [[8]])
             wait_until(lambda: backend.transfer_calls.count(("abort", None)) == 2, 120, "the abandoned session to end")

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import grpc
@@ -102,13 +103,19 @@ def test_info_offers_the_gloo_backend(client: RolloutClient) -> None:
 def test_a_push_from_a_trainer_process_serves_the_pushed_weights(
         service: ServiceAddress, client: RolloutClient, tiny_model_dir: Path, base, tmp_path: Path,
         restores_base_weights) -> None:
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
     before = client.info()
     report = trainer(service, tiny_model_dir, tmp_path / "pushed.safetensors", seed=1)
     assert report.get("version") == before.version + 1, report
     pushed = load_file(str(tmp_path / "pushed.safetensors"))
     nbytes = sum(v.numel() * v.element_size() for k, v in pushed.items())
-    # layer by layer: every byte went, and no chunk held more than the largest layerwise group (not the model)
-    assert report["bytes"] == nbytes and report["groups"] == 4 and report["largest_group_bytes"] < nbytes / 2
+    # layer by layer: every byte went, one chunk per layerwise group, and the trainer held at most two groups
+    # (the one sent and the one before it, still in flight) at a time
+    names = [n for n, _ in base[0].named_parameters()]
+    sizes = [sum(pushed[n].numel() * 4 for n in g) for g in layerwise_groups(names)]
+    assert report["bytes"] == nbytes and report["groups"] == len(sizes) == 4
+    assert report["peak_held_bytes"] == max(a + b for a, b in pairwise(sizes)) < nbytes
     info = client.info()
     assert info.version == before.version + 1 and info.counters.weight_reloads == before.counters.weight_reloads + 1
     assert client.health() == SERVING
@@ -224,10 +231,15 @@ def test_refusals_leave_the_old_weights_serving(client: RolloutClient, base, res
         t.join(300)
         assert errors and errors[0].code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "no tensor of that name in the served model" in errors[0].details()
-        # the refusal ended the session: nothing reached the model, so the old weights serve on
+        # the refusal ended the session (nothing reached the model: the old weights serve on) and the group
         c, msg = code(lambda: client.finish_weight_update(RUN, version + 1))
         assert c == grpc.StatusCode.FAILED_PRECONDITION and "no weight update in progress" in msg
-        # and a session aborted before any chunk leaves the old weights too
+        c, msg = code(lambda: client.start_weight_update(RUN, version + 1))
+        assert c == grpc.StatusCode.FAILED_PRECONDITION and "InitWeightTransfer first" in msg
+        # a new group; a session aborted before any chunk leaves the old weights too
+        engine.shutdown()
+        engine = GlooTrainerWeightTransferEngine.trainer_init(
+            GlooTrainerInitInfo("127.0.0.1", 0, 2, rank=0), client=sync, source=lockstep_source(base[0], lambda: None))
         client.start_weight_update(RUN, version + 1)
         assert client.abort_weight_update(RUN, version + 1) is True
         assert client.abort_weight_update(RUN, version + 1) is False

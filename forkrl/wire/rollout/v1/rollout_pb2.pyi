@@ -285,18 +285,24 @@ class TensorShape(_message.Message):
     def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateWeightChunkRequest(_message.Message):
-    __slots__ = ("run_id", "target_version", "names", "dtype_names", "shapes")
+    __slots__ = ("run_id", "target_version", "names", "dtype_names", "shapes", "next_names", "next_dtype_names", "next_shapes")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_NAMES_FIELD_NUMBER: _ClassVar[int]
     SHAPES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DTYPE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SHAPES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     target_version: int
     names: _containers.RepeatedScalarFieldContainer[str]
     dtype_names: _containers.RepeatedScalarFieldContainer[str]
     shapes: _containers.RepeatedCompositeFieldContainer[TensorShape]
-    def __init__(self, run_id: _Optional[str] = ..., target_version: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., dtype_names: _Optional[_Iterable[str]] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ...) -> None: ...
+    next_names: _containers.RepeatedScalarFieldContainer[str]
+    next_dtype_names: _containers.RepeatedScalarFieldContainer[str]
+    next_shapes: _containers.RepeatedCompositeFieldContainer[TensorShape]
+    def __init__(self, run_id: _Optional[str] = ..., target_version: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., dtype_names: _Optional[_Iterable[str]] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., next_names: _Optional[_Iterable[str]] = ..., next_dtype_names: _Optional[_Iterable[str]] = ..., next_shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ...) -> None: ...
 
 class UpdateWeightChunkResponse(_message.Message):
     __slots__ = ()
