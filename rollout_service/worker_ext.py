@@ -64,17 +64,19 @@ class WeightReloadExtension:
         return {"tensors": count, "seconds": time.perf_counter() - start}
 
     def forkrl_abort_weight_update(self) -> None:
-        """End a weight-transfer update that will not finish (a chunk failed, the trainer went away): finalize vLLM's
-        layerwise reload, which puts the kept tensors back in every layer that received nothing, so the model can
-        run again (layers that were loaded keep the new weights: the service reports the weights broken)."""
+        """End a weight-transfer update that will not finish (a chunk failed, the trainer went away): the engine's
+        own abort when it has one (the gloo engine drops the receives it posted ahead, and with them the group),
+        then vLLM's finish, which finalizes the layerwise reload (every layer that received nothing gets its kept
+        tensors back, so the model can run; layers that were loaded keep the new weights: the service reports the
+        weights broken) and closes the worker's session."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        abort = getattr(engine, "abort_weight_update", None)
+        if abort is not None:
+            abort()
         try:
             self.finish_weight_update()  # type: ignore[attr-defined]
-        except RuntimeError:  # update_weights failed: vLLM's worker closed the session, the layers still wait
-            engine = getattr(self, "weight_transfer_engine", None)
-            abort = getattr(engine, "abort_weight_update", None)
-            if abort is not None:
-                abort()
-            else:
+        except RuntimeError:  # update_weights failed: vLLM's worker closed its session already
+            if abort is None:
                 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
                 finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)  # type: ignore[attr-defined]

@@ -98,7 +98,7 @@ class Rollouts:
         self._transfer: Any = None  # the trainer's weight-transfer engine, joined with every service's workers
         self._sync: Any = None  # its RolloutWeightSync
         self._no_transfer = False  # auto: joining the group failed once; the other routes from then on
-        self.last_transfer: dict[str, float] = {}  # of the last transfer push: bytes, groups, the largest group's
+        self.last_transfer: dict[str, float] = {}  # of the last transfer push: bytes, groups, peak_held_bytes
         self.offers: list[str] | None = None  # each service's weight-transfer backend, as of adopt()
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
