@@ -47,7 +47,14 @@ from typing import Any
 
 from forkrl.seeds import sample_seed
 from forkrl.weights.finite import first_nonfinite
-from forkrl.weights.safetensors import DTYPES, WeightsError, checkpoint_files, iter_safetensors, read_checkpoint_specs
+from forkrl.weights.safetensors import (
+    DTYPES,
+    WeightsError,
+    check_data_section,
+    checkpoint_files,
+    iter_safetensors,
+    read_checkpoint_specs,
+)
 from forkrl.weights.wire import TensorMeta, validate_metas
 from rollout_service.gate import SwapGate
 from rollout_service.staging import default_staging_dir, staged_weights
@@ -316,10 +323,20 @@ class RolloutEngine:
             raise InvalidArgument(str(e).replace("total_bytes", "header.total_bytes")) from None
 
     async def _check_finite(self, path: str | Path, what: str) -> None:
-        """InvalidArgument naming the first tensor under `path` that holds a NaN or inf: such weights never reach
-        the engine (one fused reduction per tensor over the file's memory map, in a thread: generation goes on)."""
+        """InvalidArgument naming the first tensor under `path` whose bytes lie outside its file (a truncated file)
+        or that holds a NaN or inf: such weights never reach the engine (one fused reduction per tensor over the
+        file's memory map, in a thread: generation goes on)."""
         files = checkpoint_files(path)
-        bad = await asyncio.to_thread(lambda: first_nonfinite(iter_safetensors(files)))
+
+        def scan() -> str | None:
+            for f in files:
+                check_data_section(f)
+            return first_nonfinite(iter_safetensors(files))
+
+        try:
+            bad = await asyncio.to_thread(scan)
+        except WeightsError as e:
+            raise InvalidArgument(f"{what}: {e}") from None
         if bad is not None:
             raise InvalidArgument(f"{what}: tensor {bad!r} holds NaN or inf values; refused, version {self.version} "
                                   "keeps serving")

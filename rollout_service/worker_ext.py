@@ -16,8 +16,6 @@ creates the weight-transfer engine its `WeightTransferConfig` names.
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from collections.abc import Iterator
 
@@ -25,7 +23,7 @@ import torch
 
 import forkrl.weights.transfer_gloo  # noqa: F401  (registers the "gloo" backend: see the module docstring)
 from forkrl.runtime import die_with_service
-from forkrl.weights.safetensors import _ST_DTYPES, checkpoint_files, iter_safetensors, read_header
+from forkrl.weights.safetensors import check_data_section, checkpoint_files, iter_safetensors
 
 # vLLM imports this module in the process that runs the model (its engine core, or with --engine-mode mp its worker)
 # before the model is loaded: from here on that process, and any between it and the service, ends with the service
@@ -50,7 +48,7 @@ class WeightReloadExtension:
         files = checkpoint_files(path)
         if not files:
             raise FileNotFoundError(f"no *.safetensors under {path}")
-        for f in files:  # before the model is touched: see check_data_section
+        for f in files:  # before the model is touched (forkrl/weights/safetensors.py: check_data_section)
             check_data_section(f)
         count = 0
 
@@ -81,24 +79,3 @@ class WeightReloadExtension:
 
                 finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)  # type: ignore[attr-defined]
 
-
-def check_data_section(path: str | os.PathLike) -> None:
-    """Every tensor's bytes lie inside the file and match its dtype and shape.
-
-    vLLM's in-place reload swaps each layer's parameters for placeholders first and restores them only
-    when the whole iterator was consumed: a file that fails half-way (truncated, a bad header) would leave
-    the model unable to take any later reload. So a file is checked completely before the reload starts."""
-    header, n = read_header(path)
-    data = os.path.getsize(path) - 8 - n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = info["data_offsets"]
-        dtype = _ST_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r} has unknown dtype {info['dtype']!r}")
-        if not 0 <= start <= end <= data:
-            raise ValueError(f"{path}: tensor {name!r} spans bytes [{start}, {end}) of a {data}-byte data section "
-                             "(a truncated file?)")
-        if end - start != math.prod(info["shape"]) * dtype.itemsize:
-            raise ValueError(f"{path}: tensor {name!r} has {end - start} bytes for shape {info['shape']}")

@@ -237,11 +237,12 @@ def test_load_weights_serves_the_checkpoint(client: RolloutClient, hf, hf64, tmp
     assert worst <= bound
 
 
-def test_a_reload_that_fails_half_way_is_not_serving_until_a_good_push(
-    client: RolloutClient, hf, hf64, tmp_path: Path, restores_base_weights
-):
-    """A checkpoint whose data section was cut in half passes the header checks of LoadWeights and fails
-    inside the engine's reload: NOT_SERVING and no samples until a push succeeds, then the pushed weights."""
+def test_a_truncated_checkpoint_is_refused_before_the_engine(client: RolloutClient, hf, hf64, tmp_path: Path):
+    """A checkpoint whose data section was cut in half passes the header checks of LoadWeights; the check of every
+    tensor's bytes (and of their values) refuses it before the engine is touched: INVALID_ARGUMENT naming the
+    tensor, the old weights serve on. (A reload that fails inside the engine all the same leaves the service
+    NOT_SERVING until a good push: test_server_plumbing.py, and for the weight-transfer route
+    test_weight_transfer.py.)"""
     info = client.info()
     version, rejected = info.version, info.counters.rejected_weight_updates
     bad = tmp_path / "truncated"
@@ -251,20 +252,13 @@ def test_a_reload_that_fails_half_way_is_not_serving_until_a_good_push(
     (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(grpc.RpcError) as e:
         client.load_weights(str(bad), version + 1)
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "failed half-way" in e.value.details()
-    assert client.health() == NOT_SERVING
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "a truncated file?" in e.value.details()
+    assert client.health() == SERVING
     info = client.info()
     assert info.version == version and info.counters.rejected_weight_updates == rejected + 1
-    with pytest.raises(grpc.RpcError) as e:
-        list(client.generate(PROMPTS, n=1, max_new_tokens=4, timeout_s=30))
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "failed half-way" in e.value.details()
-
-    good = perturbed(hf, 0.3, seed=6)
-    assert client.update_weights(good, version + 1) == version + 1
-    assert client.health() == SERVING
     trajs = list(client.generate(PROMPTS, n=4, temperature=1.0, max_new_tokens=24, seed=9))
-    assert {t.policy_version for t in trajs} == {version + 1}
-    worst, bound = parity(trajs, model_with(hf, good), model_with(hf64, good), 1.0)
+    assert {t.policy_version for t in trajs} == {version}
+    worst, bound = parity(trajs, hf, hf64, 1.0)
     assert worst <= bound
 
 
