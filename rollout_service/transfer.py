@@ -111,13 +111,24 @@ class WeightTransfer:
         holder, _ = self.engine.lease()
         if holder and run_id != holder:
             raise FailedPrecondition(f"the rollout is leased to run {holder!r}; run {run_id!r} is refused")
+        workers = int(self.engine.backend.engine_settings.get("weight_transfer_workers", 1) or 1)
+        address, port = str(info.get("master_address", "")), int(info.get("master_port", 0))
+        world, offset = int(info.get("world_size", 0)), int(info.get("rank_offset", 0))
+        if not address or len(address) > 255:
+            raise InvalidArgument(f"master_address must be a host name or address, got {address[:80]!r}")
+        if not 0 < port < 65536:
+            raise InvalidArgument(f"master_port must be in [1, 65535], got {port}")
+        if not 1 <= offset or offset + workers > world:
+            raise InvalidArgument(f"rank_offset must be >= 1 and rank_offset + this engine's {workers} worker(s) <= "
+                                  f"world_size, got rank_offset {offset}, world_size {world}")
         if self.backend_name == "gloo":
             info = info | {"timeout_s": self.timeout_s}
         self.initialized = False
         try:
             await self.engine.backend.init_weight_transfer(info)
-        except ValueError as e:  # the backend's own check of the init info
-            raise InvalidArgument(f"weight transfer init: {e}") from None
+        except Exception as e:  # an unreachable rendezvous, a group that never formed
+            raise FailedPrecondition(f"joining the weight-transfer group at {address}:{port} failed "
+                                     f"({type(e).__name__}: {e})") from None
         self.initialized = True
         log.info("weight transfer (%s): joined the process group of run %s at %s:%s (world size %s, rank offset %s)",
                  self.backend_name, run_id, info.get("master_address"), info.get("master_port"),
@@ -145,10 +156,12 @@ class WeightTransfer:
                     await engine.gate.wait_drained()
             try:
                 await engine.backend.start_weight_update()
-            except BaseException:
+            except BaseException as e:
                 await s.gate.aclose()
                 if not engine.broken:
                     await engine.set_serving(True)
+                if isinstance(e, Exception):
+                    raise FailedPrecondition(f"starting the weight update failed ({type(e).__name__}: {e})") from e
                 raise
         except BaseException:
             engine.counters.rejected_weight_updates += 1
