@@ -49,34 +49,18 @@ class RolloutSettings(TokenSettings):
     on CPU). The gRPC server runs apart from the model in both."""
     swap_mode: Literal["inplace", "drain"] = "inplace"
     """How pushed weights replace the served ones. inplace: between two engine steps, the samples in flight
-    continue under the new weights (generation stalls for the apply, see stage_weights; a sample reports the
-    versions it was sampled with, first and last); drain: new samples wait until every sample in flight has
-    finished, so each sample has one version, but generation runs dry for the drain (bench/bench_swap.py)."""
-    stage_weights: bool = True
-    """Swap mode inplace: load pushed weights into a shadow copy of the model in slices between engine steps
-    while generation goes on (stage_slice_ms each), then copy them in between two engine steps, so a push
-    delays no step by more than a slice or the copy (rollout_service/shadow.py). Costs a second copy of the
-    weights in the worker. Used while samples are running; an idle engine (a sync trainer's push) is reloaded
-    directly. false: pause the engine, run vLLM's reload, resume (generation stalls for the whole reload)."""
-    stage_slice_ms: float = Field(1.0, gt=0)
-    """stage_weights: how long the staging runs between two engine steps (the staging takes as many steps as
-    it needs; a smaller slice delays each step less and the push completes later). Keep it well below one
-    engine step: 1 ms against ~4-7 ms steps of the tiny model on CPU; with a real model on a GPU (tens of ms
-    per step) 5-10 ms finishes a push in far fewer steps."""
-    stage_native_beside: bool | None = None
-    """stage_weights with stage_inline false: whether the staging thread's native calls that release the GIL
-    (oneDNN weight packing on CPU, copies to a GPU) may run on beside the engine after their slice is over.
-    false: the slice waits for them (it overruns by what is left of the call, ~1 ms for the tiny model), so the
-    staging never runs beside the engine; right on CPU, where that work takes a core from the engine and the
-    front-end. true: right on a GPU, where a large copy to the device does not compete with the engine and may
-    outlast a step. Default (unset): true on a GPU, false on CPU."""
-    stage_inline: bool | None = None
-    """stage_weights: run the staging on the engine's own thread, switched in between two steps and out at
-    the first checkpoint (a tensor read, a layer set up, before each of vLLM's layer steps) after its slice, or
-    at one before a layer step that took longer than what is left of the slice (a greenlet: no second thread,
-    so no hand-over of the cores between two threads, which on a loaded CPU machine can hold a step for a wait on
-    the scheduler). false: a staging thread of its own, parked at the first function return after its slice
-    (stage_native_beside applies). Default (unset): true on CPU, false on a GPU."""
+    continue under the new weights (vLLM's scheduler is paused in its "keep" mode for the reload, then resumes:
+    generation stalls for the reload; a sample reports the versions it was sampled with, first and last);
+    drain: new samples wait until every sample in flight has finished, so each sample has one version, but
+    generation runs dry for the drain (bench/bench_swap.py measures both)."""
+    weight_transfer: Literal["auto", "gloo", "nccl", "none"] = "auto"
+    """The backend of vLLM's weight-transfer API the engine offers for pushes (InitWeightTransfer ...
+    FinishWeightUpdate: the trainer broadcasts the weights layer by layer into the engine's workers). auto: gloo
+    on CPU (forkrl/weights/transfer_gloo.py), vLLM's nccl on a GPU; none: pushes only by UpdateWeights and
+    LoadWeights."""
+    transfer_timeout_s: float = Field(300.0, gt=0)
+    """A weight-transfer push that sees no call for this long is ended without a commit (generation resumes; the
+    weights are reported broken if a chunk had arrived); also how long one broadcast waits for the trainer."""
     max_num_seqs: int = Field(256, gt=0)
     """Most sequences the engine batches at once (vLLM's max_num_seqs)."""
     max_prompts_per_request: int = Field(16384, gt=0)
@@ -133,9 +117,10 @@ def apply_engine_env(settings: RolloutSettings) -> None:
     """Set the process environment the engine reads at import: call before torch/vLLM are imported."""
     import os
 
-    from forkrl.runtime import apply_runtime_env
+    from forkrl.runtime import apply_runtime_env, mark_service_process
 
     apply_runtime_env(threads=settings.threads)
+    mark_service_process()  # the engine's processes end with this one, also on SIGKILL (worker_ext.py)
     # The KV cache size is passed as kv_cache_memory_bytes; vLLM's CPU platform would let the legacy
     # integer-GiB variable (which apply_runtime_env defaults to 1) override it.
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)

@@ -113,6 +113,10 @@ def _warm_worker(grade_module: str, warm_math_verify: bool) -> None:
            parse("\\boxed{0.5}", extraction_config=[config], parsing_timeout=WARM_UP_TIMEOUT_S),
            timeout_seconds=WARM_UP_TIMEOUT_S)
 
+    from forkrl.runtime import die_with
+
+    die_with(os.getppid())  # a pool worker ends with the trainer, also when that was SIGKILLed
+
 
 def _ready(delay_s: float) -> int:
     time.sleep(delay_s)

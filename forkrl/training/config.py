@@ -52,9 +52,10 @@ def shown(value: object, limit: int = 80) -> str:
 
 LogTarget = Literal["jsonl", "tensorboard", "wandb"]
 """Where the metrics go (forkrl/training/metrics.py: MetricsSink)."""
-WeightSync = Literal["auto", "stream", "path", "shm"]
-"""How the trainer pushes weights (forkrl/training/rollouts.py): streamed over gRPC (UpdateWeights), through
-the run dir or a shared-memory file (LoadWeights), or auto (shm to services on this host, else stream)."""
+WeightSync = Literal["auto", "stream", "path", "shm", "transfer"]
+"""How the trainer pushes weights (forkrl/training/rollouts.py): through vLLM's weight-transfer API (transfer),
+streamed over gRPC (UpdateWeights), through the run dir or a shared-memory file (LoadWeights), or auto (transfer
+when every service offers it, else shm to services on this host and stream to the others)."""
 
 
 class RunConfig(BaseModel):
@@ -146,9 +147,11 @@ class RunConfig(BaseModel):
     min(pi_old / pi_rollout, C) (published: 2.0), C in [1, 1000]; for cispo: its IS weight becomes
     pi / pi_rollout, truncated at its own cap (cispo_max_weight); unset = off."""
     weight_sync: WeightSync = "auto"
-    """Weight push route: auto = a shared-memory file + LoadWeights for rollout services on this host that
-    see it, streaming (UpdateWeights) for the others; stream; path (the run dir + LoadWeights, a shared
-    volume); shm (/dev/shm, or FORKRL_SYNC_DIR, + LoadWeights)."""
+    """Weight push route: transfer = vLLM's weight-transfer API, the model broadcast layer by layer into the rollout
+    services' workers (gloo on CPU, nccl on a GPU; rendezvous at TRAINER_TRANSFER_ADDRESS, default 127.0.0.1);
+    auto = transfer when every rollout service offers it, else a shared-memory file + LoadWeights for rollout
+    services on this host that see it, streaming (UpdateWeights) for the others; stream; path (the run dir +
+    LoadWeights, a shared volume); shm (/dev/shm, or FORKRL_SYNC_DIR, + LoadWeights)."""
     eval_every: int = Field(0, ge=0, le=MAX_STEPS)
     """Evaluate accuracy every N steps (0 = before and after only), at most 10,000,000."""
     eval_prompts: int = Field(128, ge=0, le=MAX_BATCH)

@@ -60,7 +60,7 @@ from forkrl.training.metrics import MetricsSink, per_set_means
 from forkrl.training.pipeline import AheadCollector, staleness
 from forkrl.training.policy import NonFiniteWeights, Policy, load_policy
 from forkrl.training.ranks import RankLink, UpdatePayload
-from forkrl.training.rollouts import Rollouts
+from forkrl.training.rollouts import PolicyWeights, Rollouts
 from forkrl.training.scoring import SamplingStopped, ScoredBatch, collect_batch, evaluate
 from forkrl.weights.checkpoint import checkpoint_name, latest_checkpoint
 
@@ -360,7 +360,7 @@ class _Session:
         self.run.event("LOG", f"{what}: {why}; waiting up to {self.wait_s:.0f} s for the rollout "
                        "service(s), then pushing the weights again")
         t0 = time.perf_counter()
-        lost = self.rollouts.restore(self.full_state(), self.version, self.cfg.weight_sync, self.run.run_dir,
+        lost = self.rollouts.restore(self.policy_weights(), self.version, self.cfg.weight_sync, self.run.run_dir,
                                      self.wait_s)
         self.recoveries += 1
         self.run.event("LOG", f"{what}: rollout service(s) {lost} given version {self.version} again after "
@@ -437,10 +437,17 @@ class _Session:
         self.link.tell("state")  # every rank joins the gather of a sharded model
         return self.policy.full_state()
 
+    def policy_weights(self) -> PolicyWeights:
+        """What a push sends: the gathered state dict, or (the transfer route) the live model layer by layer, with
+        every rank in the gathers. Checked finite first, whatever the route (NonFiniteWeights: nothing is sent)."""
+        self.link.tell("check")  # every rank checks its shards (a reduced check)
+        self.policy.check_finite()
+        return PolicyWeights(self.full_state, self.policy.model, lambda: self.link.tell("transfer"))
+
     def push_current(self) -> float:
         """Push the current weights as `version` to every service (logs the route of each when it changes)."""
         before = self.rollouts.routes
-        elapsed = self.rollouts.push(self.full_state(), self.version, self.cfg.weight_sync, self.run.run_dir)
+        elapsed = self.rollouts.push(self.policy_weights(), self.version, self.cfg.weight_sync, self.run.run_dir)
         if self.rollouts.routes != before:
             routes = ", ".join(f"{c.address} {r}" for c, r in zip(self.rollouts.clients, self.rollouts.routes,
                                                                    strict=True))

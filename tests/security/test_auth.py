@@ -83,7 +83,9 @@ def rollout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 
 def test_rollout_refuses_every_rpc_without_the_token(rollout: ServerThread) -> None:
     service = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
-    assert {m.name for m in service.methods} == {"Generate", "UpdateWeights", "LoadWeights", "GetInfo", "ReleaseLease"}
+    assert {m.name for m in service.methods} == {"Generate", "UpdateWeights", "LoadWeights", "GetInfo", "ReleaseLease",
+                                                 "InitWeightTransfer", "StartWeightUpdate", "UpdateWeightChunk",
+                                                 "FinishWeightUpdate", "AbortWeightUpdate", "ShutdownWeightTransfer"}
     _every_rpc_needs_the_token(rollout.address, rollout_pb2_grpc.RolloutServiceStub, service)
     _health_and_reflection_open(rollout.address)
     with grpc_channel(rollout.address) as ch:  # the token of the environment

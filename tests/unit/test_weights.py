@@ -153,10 +153,10 @@ def test_a_staged_payload_reads_back_in_the_worker(tmp_path):
         assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
 
 
-def test_the_worker_checks_a_file_completely_before_reloading(tmp_path):
-    """vLLM cannot take another reload after one that failed half-way: the worker extension refuses a
-    truncated or inconsistent file before it touches the model."""
-    from rollout_service.worker_ext import check_data_section
+def test_a_file_is_checked_completely_before_reloading(tmp_path):
+    """vLLM cannot take another reload after one that failed half-way: the rollout service (and again its worker
+    extension) refuses a truncated or inconsistent file before it touches the model."""
+    from forkrl.weights.safetensors import check_data_section
 
     path = tmp_path / "m.safetensors"
     save_file({k: v.contiguous() for k, v in _state().items()} | {"big": torch.zeros(64, 64)}, str(path))

@@ -37,6 +37,7 @@ class WeightSync(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_SYNC_PATH: _ClassVar[WeightSync]
     WEIGHT_SYNC_AUTO: _ClassVar[WeightSync]
     WEIGHT_SYNC_SHM: _ClassVar[WeightSync]
+    WEIGHT_SYNC_TRANSFER: _ClassVar[WeightSync]
 
 class PromptFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -85,6 +86,7 @@ WEIGHT_SYNC_STREAM: WeightSync
 WEIGHT_SYNC_PATH: WeightSync
 WEIGHT_SYNC_AUTO: WeightSync
 WEIGHT_SYNC_SHM: WeightSync
+WEIGHT_SYNC_TRANSFER: WeightSync
 PROMPT_FORMAT_UNSPECIFIED: PromptFormat
 PROMPT_FORMAT_RAW: PromptFormat
 PROMPT_FORMAT_CHAT: PromptFormat
