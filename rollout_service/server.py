@@ -21,14 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from forkrl.security import (
-    OutsideRoots,
-    add_server_port,
-    confine_path,
-    grpc_server_options,
-    refuse_open_bind,
-    server_interceptors,
-)
+from forkrl.security import OutsideRoots, confine_path
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from rollout_service.bounds import check_generate
@@ -47,6 +40,8 @@ from rollout_service.types import (
     StaleVersion,
     Unavailable,
 )
+from serving.bind import refuse_open_bind
+from serving.grpc_server import add_server_port, grpc_server_options, server_interceptors
 
 log = logging.getLogger("rollout_service")
 

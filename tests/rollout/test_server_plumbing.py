@@ -27,8 +27,8 @@ import torch
 from grpc_health.v1 import health_pb2
 from safetensors.torch import load_file, save_file
 
+from forkrl.clients.channel import grpc_channel
 from forkrl.clients.rollout import RolloutClient
-from forkrl.security import grpc_channel
 from forkrl.seeds import sample_seed
 from forkrl.weights.safetensors import checkpoint_files
 from forkrl.weights.wire import pack_state_dict
