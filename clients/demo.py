@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     data = args.data_dir.resolve()
     t0 = time.monotonic()
     shared = default_model_dir()
-    # where the stack's one-shot `model` service installs it (compose.yaml); a copy (2 MB), not a symlink: the
+    # where the stack's one-shot `model` service installs it (compose.yaml); a copy (small), not a symlink: the
     # probe only reads inside its allowed root
     model_dir = data / "models" / "tiny"
     if shared.resolve() != COMMITTED_DIR and read_build_record(shared) is None:

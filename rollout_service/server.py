@@ -2,7 +2,7 @@
 
 The logic is in `engine.py` (types and errors in `types.py`); this module only translates. Life cycle:
 1. listen at once with health NOT_SERVING (clients can connect and watch),
-2. start the engine in a thread (~10-20 s on CPU), then SERVING,
+2. start the engine in a thread (seconds; the health checks are answered meanwhile), then SERVING,
 3. NOT_SERVING again while weights are swapped (set by the engine),
 4. SIGTERM/SIGINT: NOT_SERVING, stop accepting, give in-flight RPCs `grace_s`, shut the engine down.
 """

@@ -121,8 +121,8 @@ class _Stager:
     async def _run(self) -> None:
         while (chunk := await self._queue.get()) is not None:
             t = time.perf_counter()
-            # hash and write the same chunk in two threads: each is a pass over memory (~0.3 s per
-            # 400 MB here), so with a free core the staging costs one pass instead of two
+            # hash and write the same chunk in two threads: each is a pass over memory, so with a free core
+            # the staging costs one pass instead of two
             await asyncio.gather(asyncio.to_thread(self._digest.update, chunk), asyncio.to_thread(self._write, chunk))
             self.busy_s += time.perf_counter() - t
 

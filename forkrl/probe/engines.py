@@ -9,12 +9,12 @@ fp32 math (`forkrl.probe.sampling.token_stats`, `forkrl.probe.gradients`).
 
 - "transformers": `forkrl.models.sampling.sample_tokens` (one private torch.Generator per job; batches hold
   prompts of one token length, so mixed lengths run as several batches).
-- "vllm": `vllm.LLM` on the checkpoint dir in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set:
-  2-3 s start instead of 15 s; it seeds the process's global RNG, which the probe never uses), float32,
-  eager, the CPU settings of `forkrl.runtime.apply_runtime_env` and of the rollout service (no chunked
-  prefill on CPU). Prompts of any length go in one call (vLLM schedules them together). Sample g of prompt i
-  is seeded with `sample_seed(seed, i, g)`, as in the rollout service, so the two vLLM paths draw alike.
-  The engine is built per checkpoint and dropped after sampling.
+- "vllm": `vllm.LLM` on the checkpoint dir in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set: no
+  engine-core process to start, a much faster start; it seeds the process's global RNG, which the probe never
+  uses), float32, eager, the CPU settings of `forkrl.runtime.apply_runtime_env` and of the rollout service (no
+  chunked prefill on CPU). Prompts of any length go in one call (vLLM schedules them together). Sample g of prompt
+  i is seeded with `sample_seed(seed, i, g)`, as in the rollout service, so the two vLLM paths draw alike. The
+  engine is built per checkpoint and dropped after sampling.
 - "rollout": `RolloutClient.generate` against a running rollout service. The service serves ONE model:
   this is only valid when the probed checkpoint is the model it serves (the job therefore takes exactly
   one checkpoint; nothing here can verify the weights are the same).
