@@ -90,7 +90,7 @@ def main() -> int:
 
     import psutil
 
-    from forkrl.clients.rollout import RolloutClient
+    from forkrl.remote.rollout import RolloutClient
     from rollout_service.vllm_backend import VllmBackend
     from tests.service_fixtures import start_rollout_service
 

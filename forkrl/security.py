@@ -12,7 +12,7 @@ when none is given:
 
 Where the rules are applied: the services' gRPC interceptor, server options, TLS listening and the loopback-only
 rule without a token are in `serving/` (outside the core: the core holds no server code); the clients' channel,
-metadata and HTTP headers in `forkrl/clients/channel.py`; the probe's HTTP check in `probe_service/`.
+metadata and HTTP headers in `forkrl/remote/channel.py`; the probe's HTTP check in `probe_service/`.
 
 Paths a request names are confined to the roots a service is configured with (`confine_path`: '..' refused,
 symlinks followed). Comparison is constant-time (hmac.compare_digest).

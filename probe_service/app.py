@@ -1,13 +1,13 @@
 """The probe service's FastAPI app: `create_app` wires the settings, the job manager, the middleware and the
-routers; the routes are in `routes/` (jobs, files, ops), their dependencies in `deps.py`, the middleware in
+routers; the routes are in `routes/` (jobs, outputs, ops), their dependencies in `deps.py`, the middleware in
 `middleware.py`. The work happens in `forkrl.probe`; admission (allowed roots, rewards) in
-`probe_service.admission`; jobs in `probe_service.jobs`.
+`probe_service.admission`; jobs in `probe_service.job_manager`.
 
 POST   /probe                      202 + Location (or 200 + summary with ?wait=true)   routes/jobs.py
 GET    /probe                      all jobs
 GET    /probe/{id}                 status, progress, timings, error, summary when done
 DELETE /probe/{id}                 cancel (409 once finished)
-GET    /probe/{id}/records         token_probe_records.jsonl (?format=json for a JSON list)   routes/files.py
+GET    /probe/{id}/records         token_probe_records.jsonl (?format=json for a JSON list)   routes/outputs.py
 GET    /probe/{id}/manifest        manifest.json
 GET    /probe/{id}/plot.png        ?checkpoint=<label>
 GET    /probe/{id}/overlap.png     the entropy-pattern overlap across checkpoints
@@ -35,10 +35,10 @@ from forkrl.probe.params import CAVEAT
 from probe_service.admission import RequestError
 from probe_service.config import ProbeSettings
 from probe_service.deps import token_dependencies
-from probe_service.jobs import JobManager
+from probe_service.job_manager import JobManager
 from probe_service.middleware import RequestGuard, RequireToken
 from probe_service.openapi import declare_json_errors, error_responses
-from probe_service.routes import files, jobs, ops
+from probe_service.routes import jobs, ops, outputs
 
 
 @asynccontextmanager
@@ -77,7 +77,7 @@ def create_app(settings: ProbeSettings | None = None) -> FastAPI:
     # The routes that need the token (RequireToken enforces it; the dependency documents it in the schema).
     # Every guarded route can answer 400 (Host, RequestGuard) and, with a token, 401.
     guarded = {"dependencies": token_dependencies(token), "responses": error_responses(400, *([401] if token else []))}
-    for router in (jobs.router, files.router, ops.router):
+    for router in (jobs.router, outputs.router, ops.router):
         app.include_router(router, **guarded)
     declare_json_errors(app)
     return app

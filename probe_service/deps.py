@@ -12,7 +12,7 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPBearer
 
 from probe_service.config import ProbeSettings
-from probe_service.jobs import Job, JobManager, JobNotFound
+from probe_service.job_manager import Job, JobManager, JobNotFound
 
 # Only declares the scheme in the OpenAPI schema (auto_error=False: checks nothing); middleware.RequireToken
 # checks, before any route (or this) reads the request.

@@ -91,7 +91,7 @@ class RolloutSettings(TokenSettings):
     """On SIGTERM: seconds in-flight RPCs get to finish before they are cancelled."""
     max_message_mib: int = Field(64, gt=4)
     """gRPC send/receive message limit in MiB. Pushed weights arrive in chunks of at most 4 MiB
-    (forkrl/weights/wire.py), so this bounds Generate requests (many prompts) and any one message."""
+    (forkrl/weights/chunks.py), so this bounds Generate requests (many prompts) and any one message."""
     max_concurrent_streams: int = Field(64, gt=0)
     """gRPC: most RPCs one client connection may have open at once (more wait in the client)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

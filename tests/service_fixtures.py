@@ -170,7 +170,7 @@ def wait_for_health(address: str, timeout_s: float, proc: subprocess.Popen | Non
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from forkrl.clients.channel import grpc_channel
+    from forkrl.remote.channel import grpc_channel
 
     deadline = time.monotonic() + timeout_s
     with grpc_channel(address, token="", ca_file=ca_file) as channel:

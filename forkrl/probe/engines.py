@@ -172,7 +172,7 @@ def sample_with_rollout(
 ) -> list[Trajectory]:
     """`group_size` samples per prompt from a running rollout service (whose model must be the probed
     checkpoint), prompt-major; the service seeds sample g of prompt i with sample_seed(seed, i, g)."""
-    from forkrl.clients.rollout import RolloutClient
+    from forkrl.remote.rollout import RolloutClient
 
     eos = sorted({int(e) for e in eos_ids})
     rows = _rows(prompt_ids, group_size)

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from forkrl.probe.params import ProbeParams
 from probe_service.admission import admit
 from probe_service.deps import ManagerDep, SettingsDep, find_job
-from probe_service.jobs import Job, JobFinished, JobNotFound, QueueFull
+from probe_service.job_manager import Job, JobFinished, JobNotFound, QueueFull
 from probe_service.openapi import error_responses
 from probe_service.schemas import JobCreated, JobList, JobStatus
 

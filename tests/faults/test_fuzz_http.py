@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.routing import Route
 
-from forkrl.clients.channel import http_headers
 from forkrl.probe.params import ProbeParams
+from forkrl.remote.channel import http_headers
 from probe_service.app import create_app
 from probe_service.config import ProbeSettings
 from tests.service_fixtures import wait_until

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forkrl.clients.channel import http_headers
+from forkrl.remote.channel import http_headers
 from tests.service_fixtures import REPO_ROOT, free_port, kill_group, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.isolated]

@@ -19,8 +19,8 @@ import pytest
 import uvicorn
 from safetensors.torch import save_file
 
-from forkrl.clients.channel import grpc_channel, http_headers
 from forkrl.models.tiny import default_model_dir
+from forkrl.remote.channel import grpc_channel, http_headers
 from forkrl.training.config import RunConfig, to_proto
 from forkrl.training.rules import RunRules, check_bounds
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb

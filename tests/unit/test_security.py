@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from forkrl.cli import parse_settings
-from forkrl.clients.channel import http_headers
+from forkrl.remote.channel import http_headers
 from forkrl.security import check_authorization, ensure_token_file, load_token, main, resolve_token
 from probe_service.config import ProbeSettings
 from rollout_service.config import RolloutSettings

@@ -1,4 +1,4 @@
-"""A done job's files: records, manifest, plots and the HTML report (409 before the job is done, 404 for an
+"""A done job's outputs: records, manifest, plots and the HTML report (409 before the job is done, 404 for an
 output it does not have)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
 from probe_service.deps import ManagerDep, find_job
-from probe_service.jobs import Job
+from probe_service.job_manager import Job
 from probe_service.openapi import error_responses
 
 router = APIRouter()
