@@ -50,7 +50,7 @@ def _post_probe(url: str, body: dict, timeout_s: float, token: str | None) -> tu
     """The finished job's summary, and its URL (the Location header)."""
     import httpx
 
-    from forkrl.security import http_headers, http_verify
+    from forkrl.remote.channel import http_headers, http_verify
 
     resp = httpx.post(f"{url}/probe", params={"wait": "true"}, json=body, timeout=timeout_s,
                       headers=http_headers(token), verify=http_verify())  # FORKRL_TLS_CA when set
@@ -63,7 +63,7 @@ def _get_probe_report(job_url: str, token: str | None) -> None:
     """GET the job's report once: the service renders it and keeps it in the job's dir (report.html)."""
     import httpx
 
-    from forkrl.security import http_headers, http_verify
+    from forkrl.remote.channel import http_headers, http_verify
 
     resp = httpx.get(f"{job_url}/report", timeout=300, headers=http_headers(token), verify=http_verify())
     if resp.status_code != 200:
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     data = args.data_dir.resolve()
     t0 = time.monotonic()
     shared = default_model_dir()
-    # where the stack's one-shot `model` service installs it (compose.yaml); a copy (2 MB), not a symlink: the
+    # where the stack's one-shot `model` service installs it (compose.yaml); a copy (small), not a symlink: the
     # probe only reads inside its allowed root
     model_dir = data / "models" / "tiny"
     if shared.resolve() != COMMITTED_DIR and read_build_record(shared) is None:

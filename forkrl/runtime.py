@@ -3,12 +3,13 @@
 Call `apply_runtime_env()` *before* importing torch or vLLM (thread counts are read at import).
 Every value is a default: a variable already set by the user wins.
 
-Why each one (measured, see docs/vllm-cpu-notes in the design docs):
-- VLLM_CPU_KVCACHE_SPACE: unset, vLLM's CPU backend claims most of the RAM and starts 5x slower.
+Why each one (the measurements: docs/results.md, "Numbers moved out of docstrings"):
+- VLLM_CPU_KVCACHE_SPACE: unset, vLLM's CPU backend claims most of the RAM and starts several times slower.
 - VLLM_HOST_IP: otherwise the engine's message queue binds the machine's external address.
 - VLLM_RPC_BASE_PATH / VLLM_CACHE_ROOT / TORCHINDUCTOR_CACHE_DIR: keep sockets and compile caches in
   the project's cache dir instead of /tmp and ~/.cache.
-- OMP_NUM_THREADS: two CPU-bound processes with a thread per core each slow each other 10-20x.
+- OMP_NUM_THREADS: two CPU-bound processes with a thread per core each oversubscribe the cores and slow each
+  other down by an order of magnitude.
 
 `mark_service_process()` / `die_with_service()`: the processes a service's engine starts (vLLM's engine core,
 its worker) end when the service's main process ends, also when it was SIGKILLed (nothing runs in it then).

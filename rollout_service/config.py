@@ -30,22 +30,23 @@ class RolloutSettings(TokenSettings):
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port (0 = any free port, printed at start)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """Engine dtype. float32 is the safe CPU default and matches the trainer's fp32 logprobs (~1e-5);
-    bfloat16 is ~4x faster on CPU but logprobs then differ from fp32 by up to ~0.5."""
+    """Engine dtype. float32 is the safe CPU default and matches the trainer's fp32 logprobs (to float32
+    rounding); bfloat16 is faster but its logprobs differ from the trainer's by far more (the IS ratio and the
+    clip then see that gap; docs/results.md has a measurement)."""
     max_model_len: int | None = Field(None, gt=0)
     """Longest prompt + completion in tokens (default: the model's max_position_embeddings)."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """Memory for the KV cache in GiB (vLLM's CPU backend takes most of the RAM when unset)."""
     enforce_eager: bool = True
-    """Skip graph capture / torch.compile: starts ~2x faster on CPU at about the same throughput."""
+    """Skip graph capture / torch.compile: a faster start on CPU, at about the same throughput there."""
     threads: int | None = Field(None, gt=0)
     """CPU threads for the model (OMP_NUM_THREADS of the engine; in mp mode also binds cores
     0..threads-1). Default: vLLM's automatic choice (all cores)."""
     seed: int = 0
     """Engine seed (requests without a seed draw from it)."""
     engine_mode: Literal["uni", "mp"] = "uni"
-    """Where the model runs. uni: inside vLLM's engine-core process (2 processes in all, faster start,
-    ~0.6 GB less RSS); mp: in a separate worker process with vLLM's OpenMP core binding (vLLM's default
+    """Where the model runs. uni: inside vLLM's engine-core process (2 processes in all: a faster start and
+    one worker process less in memory); mp: in a separate worker process with vLLM's OpenMP core binding (vLLM's default
     on CPU). The gRPC server runs apart from the model in both."""
     swap_mode: Literal["inplace", "drain"] = "inplace"
     """How pushed weights replace the served ones. inplace: between two engine steps, the samples in flight
@@ -90,7 +91,7 @@ class RolloutSettings(TokenSettings):
     """On SIGTERM: seconds in-flight RPCs get to finish before they are cancelled."""
     max_message_mib: int = Field(64, gt=4)
     """gRPC send/receive message limit in MiB. Pushed weights arrive in chunks of at most 4 MiB
-    (forkrl/weights/wire.py), so this bounds Generate requests (many prompts) and any one message."""
+    (forkrl/weights/chunks.py), so this bounds Generate requests (many prompts) and any one message."""
     max_concurrent_streams: int = Field(64, gt=0)
     """gRPC: most RPCs one client connection may have open at once (more wait in the client)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -4,7 +4,7 @@
 per (seed, prompt, sample), the swap gate and the policy version, weight checks, counters. The model is
 behind the `Backend` protocol (`types.py`): `VllmBackend` (`vllm_backend.py`, the only code that touches
 vLLM) or a fake in the plumbing tests, so this logic is tested without a model. Pushed weights are received
-and verified in `staging.py`.
+and verified in `receive.py`.
 
 Swap protocols (`swap_mode`):
 - "inplace" (default): the weights are applied between two engine steps with the requests in flight kept
@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from forkrl.seeds import sample_seed
+from forkrl.weights.chunks import TensorMeta, validate_metas
 from forkrl.weights.finite import first_nonfinite
 from forkrl.weights.safetensors import (
     DTYPES,
@@ -55,9 +56,8 @@ from forkrl.weights.safetensors import (
     iter_safetensors,
     read_checkpoint_specs,
 )
-from forkrl.weights.wire import TensorMeta, validate_metas
 from rollout_service.gate import SwapGate
-from rollout_service.staging import default_staging_dir, staged_weights
+from rollout_service.receive import default_staging_dir, received_weights
 from rollout_service.transfer import WeightTransfer
 from rollout_service.types import (
     Backend,
@@ -358,7 +358,7 @@ class RolloutEngine:
         try:
             self.check_push(run_id, target_version)
             self._check_metas(metas, total_bytes)
-            async with staged_weights(self.staging_dir, target_version, metas, total_bytes, sha256, chunks) as staged:
+            async with received_weights(self.staging_dir, target_version, metas, total_bytes, sha256, chunks) as staged:
                 await self._check_finite(staged.path, "the pushed weights")
                 # the swap owns the file from here: the reload may outlive this call (a cancelled push)
                 result = await self._swap(str(staged.path), target_version, run_id, staged=staged.hand_over())

@@ -2,7 +2,7 @@
 
 The logic is in `engine.py` (types and errors in `types.py`); this module only translates. Life cycle:
 1. listen at once with health NOT_SERVING (clients can connect and watch),
-2. start the engine in a thread (~10-20 s on CPU), then SERVING,
+2. start the engine in a thread (seconds; the health checks are answered meanwhile), then SERVING,
 3. NOT_SERVING again while weights are swapped (set by the engine),
 4. SIGTERM/SIGINT: NOT_SERVING, stop accepting, give in-flight RPCs `grace_s`, shut the engine down.
 """
@@ -21,14 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from forkrl.security import (
-    OutsideRoots,
-    add_server_port,
-    confine_path,
-    grpc_server_options,
-    refuse_open_bind,
-    server_interceptors,
-)
+from forkrl.security import OutsideRoots, confine_path
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from rollout_service.bounds import check_generate
@@ -47,6 +40,8 @@ from rollout_service.types import (
     StaleVersion,
     Unavailable,
 )
+from serving.bind import refuse_open_bind
+from serving.grpc_server import add_server_port, grpc_server_options, server_interceptors
 
 log = logging.getLogger("rollout_service")
 

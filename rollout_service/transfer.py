@@ -1,6 +1,6 @@
 """Weight pushes through vLLM's weight-transfer API: the session rules around the backend's five calls.
 
-The trainer drives a push as vLLM's `VLLMWeightSyncClient` does (forkrl/clients/rollout.py): InitWeightTransfer
+The trainer drives a push as vLLM's `VLLMWeightSyncClient` does (forkrl/remote/rollout.py): InitWeightTransfer
 once per trainer connection (the engine's workers join the trainer's process group: gloo on CPU, vLLM's nccl on a
 GPU), then per push StartWeightUpdate, one UpdateWeightChunk per chunk (the workers receive the chunk's tensors
 from the trainer's broadcast during the call), FinishWeightUpdate. Rules (`WeightTransfer`):

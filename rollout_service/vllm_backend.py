@@ -33,7 +33,7 @@ class VllmBackend:
     """AsyncLLM with one request per sample, FINAL_ONLY outputs and sampled-token logprobs at T.
 
     Built with `await VllmBackend.start(settings)`; the engine is constructed in a worker thread so the
-    gRPC server keeps answering health checks (NOT_SERVING) during the ~10-20 s start."""
+    gRPC server keeps answering health checks (NOT_SERVING) during the start (seconds)."""
 
     def __init__(self, llm: Any, settings: Any, engine_settings: dict[str, Any]) -> None:
         from vllm import SamplingParams

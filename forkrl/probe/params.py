@@ -79,7 +79,9 @@ def _alias(*names: str) -> AliasChoices:
 class ProbeParams(BaseModel):
     """One probe job: which checkpoints, how to sample, what to differentiate. Defaults: the seed script's
     (num_prompts 24, num_samples 2, 5 entropy bins, 12 positions per cell, rows start,mid,last, max_new_tokens
-    2048 for a dataset); field names are the seed's flags, the older names are accepted as aliases."""
+    2048 for a dataset) except three, each with its reason in its field (and in docs/probe.md): frozen bin edges
+    (freeze_bins_from), layer_indices 0,-1 clamped to the model's depth (clamp_layers), max_new_tokens of a
+    built-in task. Field names are the seed's flags, the older names are accepted as aliases."""
 
     # list defaults are plain values (pydantic copies them per instance), so /docs and --help show them
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
@@ -117,15 +119,18 @@ class ProbeParams(BaseModel):
     temperature: float = Field(default=1.0, gt=0, le=10)
     """Sampling temperature; also the T of logp and entropy."""
     max_new_tokens: int = Field(default=0, ge=0, le=32768)
-    """Max response tokens; 0 = the built-in task's limit, 2048 for a dataset (the seed's)."""
+    """Max response tokens; 0 = the built-in task's limit, 2048 for a dataset (the seed's). Differs from the
+    seed's script (2048 always) on a built-in task: its answers take a handful of tokens (countdown 16), and
+    2048 would only let a response that misses its EOS run on, at the cost of time."""
     seed: int = Field(default=0, ge=0, le=2**62)
     """Seed of sampling, tie-breaks, selection, rows."""
     sampler: Sampler = "auto"
     """Who samples the responses: vllm (in-process vLLM on the checkpoint, float32, one seed per sample as in
     the rollout service), transformers (forkrl's KV-cache sampler; batches prompts of equal length only),
     rollout (a running rollout service at rollout_address: it serves ONE model, so the job must probe
-    exactly that checkpoint), auto (vllm when importable, else transformers). Entropy and gradients are
-    always teacher-forced in fp32 by the trainer's math, whichever samples."""
+    exactly that checkpoint), auto (vllm when importable, else transformers: the one rule of the CLI and the
+    service alike, so one body gives one summary through either). Entropy and gradients are always
+    teacher-forced in fp32 by the trainer's math, whichever samples."""
     rollout_address: str = ""
     """host:port of the rollout service (sampler rollout only)."""
     prompt_format: PromptFormat = "raw"
@@ -149,7 +154,8 @@ class ProbeParams(BaseModel):
     freeze_bins_from: str = ""
     """Entropy bin edges of every checkpoint are those of this reference checkpoint (its step number or label;
     empty = the first checkpoint probed), so a bin means the same entropy range across checkpoints; 'none' =
-    rank bins per checkpoint (equal counts, edges move)."""
+    rank bins per checkpoint (equal counts, edges move: the seed script's binning, where bin 4 of two
+    checkpoints can hold different entropies, so a change across training mixes the bins' drift in)."""
     exclude_degenerate_groups: bool = False
     """Leave out prompts whose responses are all correct or all wrong (advantage 0)."""
     entropy_at_t1: bool = False
@@ -162,10 +168,11 @@ class ProbeParams(BaseModel):
         default=[0, -1], min_length=1, max_length=256, validation_alias=_alias("layer_indices", "layers")
     )
     """Decoder layers; negative counts from the end (also accepted as layers). The seed used 0,14,27 (first,
-    middle, last of a 28-layer model)."""
+    middle, last of its 28-layer model); the default 0,-1 (first and last) means the same on a model of any
+    depth."""
     clamp_layers: bool = True
-    """A layer index past the model's depth probes its nearest layer (so 0,14,27 runs on any model; the job
-    warns in summary.json); off = such an index is an error."""
+    """A layer index past the model's depth probes its nearest layer (so the seed's 0,14,27 runs on any model,
+    the embedded 2-layer one included; the job warns in summary.json); off = such an index is an error."""
     row_spec: list[RowSpec] = Field(
         default=["start", "mid", "last"], min_length=1, max_length=8, validation_alias=_alias("row_spec", "row_specs")
     )

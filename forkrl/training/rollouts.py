@@ -54,8 +54,8 @@ from typing import Any
 import grpc
 import torch
 
-from forkrl.clients.rollout import RolloutClient
 from forkrl.files import atomic_write
+from forkrl.remote.rollout import RolloutClient
 from forkrl.training.config import WeightSync
 from forkrl.weights.shm import SharedWeightsFile, default_sync_dir
 
@@ -351,7 +351,7 @@ class Rollouts:
 
     def _join_transfer(self, module: torch.nn.Module) -> None:
         """Form the process group of this trainer's rank 0 and every service's workers (trainer_init)."""
-        from forkrl.clients.rollout import RolloutWeightSync
+        from forkrl.remote.rollout import RolloutWeightSync
 
         backend = self._transfer_backend()
         if backend is None:

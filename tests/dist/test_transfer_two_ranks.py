@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from forkrl.clients.rollout import RolloutClient
+from forkrl.remote.rollout import RolloutClient
 from tests.numerics import logprob_parity
 from tests.service_fixtures import REPO_ROOT, start_rollout_service
 

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from starlette.routing import Route
 
 from forkrl.probe.params import ProbeParams
-from forkrl.security import http_headers
+from forkrl.remote.channel import http_headers
 from probe_service.app import create_app
 from probe_service.config import ProbeSettings
 from tests.service_fixtures import wait_until

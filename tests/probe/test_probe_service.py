@@ -26,7 +26,7 @@ import uvicorn
 from markupsafe import escape
 from safetensors.torch import load_file, save_file
 
-from forkrl.security import http_headers
+from forkrl.remote.channel import http_headers
 from probe_service.app import create_app
 from probe_service.config import ProbeSettings
 from tests.service_fixtures import build_random_llama, wait_until

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from forkrl.clients.rollout import RolloutClient
+from forkrl.remote.rollout import RolloutClient
 from rollout_service.admin import main as admin_main
 from tests.rollout.test_server_plumbing import MODEL, ServerThread
 from tests.service_fixtures import wait_until

@@ -24,9 +24,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 
-from forkrl.clients.rollout import RolloutClient
-from forkrl.security import grpc_channel
-from forkrl.weights.wire import pack_state_dict
+from forkrl.remote.channel import grpc_channel
+from forkrl.remote.rollout import RolloutClient
+from forkrl.weights.chunks import pack_state_dict
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from tests.numerics import logprob_parity

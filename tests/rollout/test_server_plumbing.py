@@ -27,11 +27,11 @@ import torch
 from grpc_health.v1 import health_pb2
 from safetensors.torch import load_file, save_file
 
-from forkrl.clients.rollout import RolloutClient
-from forkrl.security import grpc_channel
+from forkrl.remote.channel import grpc_channel
+from forkrl.remote.rollout import RolloutClient
 from forkrl.seeds import sample_seed
+from forkrl.weights.chunks import pack_state_dict
 from forkrl.weights.safetensors import checkpoint_files
-from forkrl.weights.wire import pack_state_dict
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from rollout_service.config import RolloutSettings

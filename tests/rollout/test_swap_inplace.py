@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forkrl.clients.rollout import RolloutClient
+from forkrl.remote.rollout import RolloutClient
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from tests.numerics import float32_logprob_bound, reference_logprobs
 from tests.service_fixtures import ServiceAddress, start_rollout_service, wait_until

@@ -22,7 +22,7 @@ import grpc
 import pytest
 import torch
 
-from forkrl.clients.rollout import RolloutClient
+from forkrl.remote.rollout import RolloutClient
 from forkrl.training.rollouts import Rollouts
 from forkrl.weights.shm import SYNC_DIR_ENV
 from tests.numerics import logprob_parity

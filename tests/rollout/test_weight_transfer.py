@@ -29,7 +29,7 @@ import torch
 from grpc_health.v1 import health_pb2
 from safetensors.torch import load_file
 
-from forkrl.clients.rollout import RolloutClient, RolloutWeightSync
+from forkrl.remote.rollout import RolloutClient, RolloutWeightSync
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from tests.numerics import float32_logprob_bound, logprob_parity, reference_logprobs
 from tests.rollout.transfer_trainer import INF_TENSOR

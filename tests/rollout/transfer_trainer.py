@@ -39,7 +39,7 @@ def main() -> int:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from forkrl.clients.rollout import RolloutWeightSync
+    from forkrl.remote.rollout import RolloutWeightSync
     from forkrl.training.rollouts import Rollouts
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)

@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from safetensors.torch import save_file
 
-from forkrl.security import grpc_channel, http_headers, load_token
+from forkrl.remote.channel import grpc_channel, http_headers
+from forkrl.security import load_token
 from forkrl.wire.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from probe_service.app import create_app

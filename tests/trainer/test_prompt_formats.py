@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from forkrl.clients.rollout import RolloutClient
 from forkrl.data.datasets import load_problems
 from forkrl.data.order import DataOrder
 from forkrl.data.tasks import make_split
+from forkrl.remote.rollout import RolloutClient
 from forkrl.training.config import RunConfig, to_proto
 from forkrl.training.loop import TRAIN_POOL
 from forkrl.wire.trainer.v1 import trainer_pb2

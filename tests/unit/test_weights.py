@@ -1,4 +1,4 @@
-"""forkrl.weights.wire: state dict <-> (metas, payload, sha256) and the safetensors layout of the payload."""
+"""forkrl.weights.chunks: state dict <-> (metas, payload, sha256) and the safetensors layout of the payload."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 
+from forkrl.weights.chunks import pack_state_dict, unpack, validate_metas
 from forkrl.weights.safetensors import WeightsError, read_checkpoint_specs, safetensors_prefix
-from forkrl.weights.wire import pack_state_dict, unpack, validate_metas
 
 
 def _state() -> dict[str, torch.Tensor]:

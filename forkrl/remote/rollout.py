@@ -16,7 +16,7 @@ Trajectories are the proto messages (`forkrl.rollout.v1.Trajectory`). The calls 
 (init_weight_transfer ... finish_weight_update) are never retried: each is one step of a broadcast the trainer
 runs beside it. `RolloutWeightSync` is vLLM's `VLLMWeightSyncClient` over one or more services. Every call carries
 the services' token (`authorization: Bearer …`, from FORKRL_TOKEN / FORKRL_TOKEN_FILE unless given), over TLS when
-FORKRL_TLS_CA names the CA of the service's certificate (forkrl.security.grpc_channel).
+FORKRL_TLS_CA names the CA of the service's certificate (forkrl.remote.channel.grpc_channel).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from forkrl.security import grpc_channel
+from forkrl.remote.channel import grpc_channel
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 
@@ -160,7 +160,7 @@ class RolloutClient:
     ) -> int:
         """Push a state dict (chunked, checksummed); returns the service's new version. The full
         response (receive/apply/drain times) is kept in `last_weights_response`."""
-        from forkrl.weights.wire import pack_state_dict  # torch: imported only by callers that push weights
+        from forkrl.weights.chunks import pack_state_dict  # torch: imported only by callers that push weights
 
         def call(left: float) -> pb.UpdateWeightsResponse:
             packed = pack_state_dict(state_dict, chunk_bytes)
