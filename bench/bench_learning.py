@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         report(args, results)
         return 0
     from clients.stack import Stack
-    from forkrl.security import grpc_channel
+    from forkrl.remote.channel import grpc_channel
     from forkrl.wire.trainer.v1 import trainer_pb2_grpc
 
     args.data_dir = args.data_dir.resolve()

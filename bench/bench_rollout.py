@@ -90,7 +90,7 @@ def main() -> int:
 
     import psutil
 
-    from forkrl.clients.rollout import RolloutClient
+    from forkrl.remote.rollout import RolloutClient
     from rollout_service.vllm_backend import VllmBackend
     from tests.service_fixtures import start_rollout_service
 
@@ -125,7 +125,7 @@ def main() -> int:
         for r in range(args.rounds):
             seed = 1000 + r
             # CPU seconds of every process involved: robust to other load on a shared machine, where
-            # wall-clock tokens/s of alternating rounds swings by 2-5x.
+            # wall-clock tokens/s of alternating rounds swings widely.
             c0, t = cpu_s(service_tree) + cpu_s([me]), time.perf_counter()
             toks_g = sum(len(tr.completion_token_ids) for tr in client.generate(
                 texts, n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=seed))

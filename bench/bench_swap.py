@@ -1,14 +1,13 @@
-"""How long a weight push stalls generation: swap mode "inplace" (staged or not) vs "drain", in engine steps.
+"""How long a weight push stalls generation: swap mode "inplace" vs "drain", in engine steps.
 
     python bench/bench_swap.py                           # the embedded tiny model, 16 slots, 12 pushes
     python bench/bench_swap.py --model DIR --slots 64 --max-new-tokens 128 --pushes 12 --threads 2
-    python bench/bench_swap.py --pushes 24 --modes staged --stage-slice-ms 0.5
 
 The rollout service's own RolloutEngine and VllmBackend run in this process (no gRPC: the swap is the same
 code), under an async-RL load: `--slots` concurrent generation slots, each submitting one sample after
 another (the next as soon as the last finished), as a trainer sampling ahead does. After a warm-up, pushes
-(LoadWeights of alternating checkpoints, the three modes taking turns, so all see the same load) come
-every `--every-s` seconds. The backend streams tokens (DELTA outputs) only to time them.
+(LoadWeights of alternating checkpoints, the modes taking turns, so all see the same load) come every
+`--every-s` seconds. The backend streams tokens (DELTA outputs) only to time them.
 
 Three gaps are timed: between two consecutive tokens of one sample as the engine core stamped them (each
 step's outputs carry its time.monotonic(): what the engine itself held up, whatever the front-end's event loop,
@@ -17,24 +16,9 @@ consecutive tokens of one slot across its samples (also the time a slot waits fo
 a drain costs). A gap within a sample never spans two samples, so no prefill of its own is in it. Printed per
 mode and push, and per mode (median and max over pushes) with the same measure on a window of the same length
 just before each push (the noise floor) and what each push added to it, in units of one engine step (the
-median engine-stamped gap within a sample away from pushes); with the staging time (generation goes on), the
-worker's copy (staged) or reload (inplace, drain) and the drain. Staged pushes also print the slices and the
-longest one and the workers' apply reports, and per mode the longest call of each push into the engine's loop (a
-slice or the copy, timed by the worker: the most one engine step was held back by the swap, on the engine's own
-clock, free of the noise of the gaps), with the CPU steal (/proc/stat: time the hypervisor ran other guests on
-this VM's CPUs, which stretches whatever runs meanwhile) during the pushes and during those that held a step longer
-than one step, and the CPU time of the swap's work in that call (the time the hypervisor took the CPU and waits
-for one left out: what the swap itself put between two steps). "staged" is staged with this machine's defaults;
-"staged-inline" on the engine's thread (--stage-inline, the CPU default), "staged-thread" on a staging thread of
-its own (--stage-inline false), "staged-beside" that with --stage-native-beside true (the GPU default). For an
-inline push whose longest call exceeded one step, the bench splits that slice's wall time into the work's CPU
-time, the engine thread's wait for a core (the kernel's run delay) and the rest (off the CPU otherwise: steal,
-when the thread did not block). Inline, it also prints per mode the longest stretch of the swap's work between
-two checkpoints (CPU; what one slice cannot end inside of) and the step of the staging it was most often.
-The issue's target: a push stalls generation by at most one engine step, i.e. it adds at most one step to the
-longest gap of its window ("added by the push"). "staged" (inplace with --stage-weights, the default) loads the
-new weights into a shadow model in slices between engine steps while generation goes on and stalls for the copy
-alone; "inplace" (--stage-weights false) for pause + vLLM's reload + resume; "drain" for the drain as well.
+median engine-stamped gap within a sample away from pushes); with the worker's reload and the drain.
+"inplace" is the service's default: vLLM's scheduler paused in its "keep" mode + the reload + resume (the
+samples in flight stay scheduled, KV cache kept); "drain" waits for the samples in flight first.
 """
 
 from __future__ import annotations
@@ -45,11 +29,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("staged", "staged-inline", "staged-thread", "staged-beside", "inplace", "drain")
+MODES = ("inplace", "drain")
 sys.path.insert(0, str(ROOT))
 
 
@@ -59,15 +43,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=16, help="concurrent samples")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--pushes", type=int, default=12, help="pushes in all (the modes take turns)")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=["staged", "inplace", "drain"],
-                   help="swap modes to time (staged: this machine's defaults; staged-inline: --stage-inline; "
-                        "staged-thread: --stage-inline false; staged-beside: that with --stage-native-beside true)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="swap modes to time")
     p.add_argument("--every-s", type=float, default=1.5, help="seconds between pushes")
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--threads", type=int, default=1, help="engine threads")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--stage-slice-ms", type=float, default=None,
-                   help="the longest slice of a staged load between two engine steps (default: the service's)")
     return p.parse_args()
 
 
@@ -103,8 +83,7 @@ async def run(args: argparse.Namespace) -> None:
     from rollout_service.config import RolloutSettings, apply_engine_env
 
     settings = RolloutSettings(model=str(model_dir(args.model)), threads=args.threads, kv_cache_gib=args.kv_cache_gib,
-                               max_num_seqs=max(args.slots, 1),
-                               **({} if args.stage_slice_ms is None else {"stage_slice_ms": args.stage_slice_ms}))
+                               max_num_seqs=max(args.slots, 1))
     apply_engine_env(settings)
     from rollout_service.engine import RolloutEngine
     from rollout_service.types import Completion, SamplingSpec
@@ -166,50 +145,19 @@ async def run(args: argparse.Namespace) -> None:
             k += 1
 
     tasks = [asyncio.create_task(slot(s)) for s in range(args.slots)]
-    # (mode, t0, t1, apply_s, drain_s, worker_s, stage_s)
-    pushes: list[tuple[str, float, float, float, float, float, float]] = []
-    held: dict[int, float] = {}  # staged pushes: the longest the swap held the engine's loop in one call
-    stolen: dict[int, float] = {}  # ... and the share of CPU time the hypervisor took from this VM meanwhile
-    worked: dict[int, float] = {}  # ... and the CPU time of the longest slice's (or the copy's) work
-    where: dict[int, dict[str, float]] = {}  # ... and where the longest slice's wall time went (inline staging)
-    stretches: dict[int, dict] = {}  # ... the longest stretch between two checkpoints (inline): CPU s, at which step
-    copies: dict[int, tuple[float, float]] = {}  # ... and the final copy's wall and CPU seconds
-    inline, beside = backend.stage_inline, backend.stage_native_beside  # "staged": this machine's defaults
+    pushes: list[tuple[str, float, float, float, float, float]] = []  # (mode, t0, t1, apply_s, drain_s, worker_s)
     await asyncio.sleep(args.warmup_s)
     for k in range(args.pushes):
         mode = args.modes[k % len(args.modes)]
         engine.swap_mode = "drain" if mode == "drain" else "inplace"
-        backend.stage_weights = mode.startswith("staged")
-        backend.stage_inline = {"staged": inline, "staged-inline": True}.get(mode, False)
-        backend.stage_native_beside = {"staged": beside, "staged-beside": True}.get(mode, False)
-        backend.last_stage_s = backend.last_max_slice_s = backend.last_max_slice_cpu_s = 0.0
-        backend.last_stage_slices = backend.last_stage_overruns = 0
-        backend.last_longest_stretch = {}
-        t0, ticks0 = time.monotonic(), _cpu_ticks()
+        t0 = time.monotonic()
         r = await engine.load_weights(str(ckpts[(k + 1) % 2]), engine.version + 1)
-        pushes.append((mode, t0, time.monotonic(), r.apply_s, r.drain_s, backend.last_reload_s,
-                       backend.last_stage_s))
-        if mode.startswith("staged"):
-            # the longest call of the swap into the engine's loop: a slice (with its 0.3 ms output grace) or the
-            # copy; the engine steps between them. What a push held one engine step back by, on the engine's clock
-            held[k] = max(backend.last_max_slice_s, backend.last_reload_s)
-            # ... and the CPU time of the swap's work in the longest such call (on a VM, time the hypervisor took
-            # the CPU and waits for a core are left out: what the swap itself put between two steps)
-            worked[k] = max(backend.last_max_slice_cpu_s, backend.last_copy_cpu_s)
-            where[k] = dict(backend.last_longest_slice)
-            stretches[k] = dict(backend.last_longest_stretch)  # inline only (else empty)
-            copies[k] = (backend.last_reload_s, backend.last_copy_cpu_s)
-            stolen[k] = _steal_share(ticks0, _cpu_ticks())
-            print(f"  {mode} push {k}: {backend.last_stage_slices} slices, longest {backend.last_max_slice_s * 1e3:.2f}"
-                  f" ms (its work: {backend.last_max_slice_cpu_s * 1e3:.2f} ms of CPU), "
-                  f"{backend.last_stage_overruns} given up on a native call; apply {backend.last_apply}")
+        pushes.append((mode, t0, time.monotonic(), r.apply_s, r.drain_s, backend.last_reload_s))
         await asyncio.sleep(args.every_s)
     stop.set()
     await asyncio.gather(*tasks)
     backend.shutdown()
 
-    if backend.stage_failures:
-        print("the staged swap fell back to pause + reload (see the warning above): no staged numbers")
     gap_sets = {"engine, in a sample": _gaps(engine_times.values()), "client, in a sample": _gaps(token_times.values()),
                 "client, of a slot": _gaps(slot_times.values())}
 
@@ -224,45 +172,12 @@ async def run(args: argparse.Namespace) -> None:
           f"stamped them, {client_step * 1e3:.2f} ms as they arrived; gaps below in engine steps")
     for mode in args.modes:
         mine = [p for p in pushes if p[0] == mode]
-        if mode.startswith("staged"):
-            steps = [held[k] / step for k, p in enumerate(pushes) if p[0] == mode]
-            over = [stolen[k] for k, p in enumerate(pushes) if p[0] == mode and held[k] > step]
-            steal = [stolen[k] for k, p in enumerate(pushes) if p[0] == mode]
-            print(f"{mode}: the longest call into the engine's loop per push (a slice or the copy; the engine's "
-                  f"clock) / step: median {statistics.median(steps):.2f}, max {max(steps):.2f}, <= 1 step at "
-                  f"{sum(x <= 1 for x in steps)}/{len(steps)} pushes; CPU steal during the pushes (the hypervisor's "
-                  f"share of this VM's CPU time): median {statistics.median(steal):.1%}, during those over one step: "
-                  f"{', '.join(f'{x:.1%}' for x in over) or '-'}")
-            for k in (k for k, p in enumerate(pushes) if p[0] == mode and held[k] > step):
-                w = where.get(k, {})
-                copy_s, copy_cpu_s = copies[k]
-                if copy_s >= w.get("wall_s", 0.0):  # the final copy was the push's longest call
-                    print(f"  push {k} held the engine {held[k] / step:.2f} steps in its copy: {copy_s * 1e3:.2f} ms, "
-                          f"of it CPU {copy_cpu_s * 1e3:.2f} ms")
-                elif "queued_s" in w:  # inline: the work ran on the engine's thread, so its wall time splits up
-                    rest = w["wall_s"] - w["cpu_s"] - w["queued_s"]
-                    print(f"  push {k} held the engine {held[k] / step:.2f} steps: its longest slice "
-                          f"{w['wall_s'] * 1e3:.2f} ms = CPU {w['cpu_s'] * 1e3:.2f} + waiting for a core in this VM "
-                          f"{w['queued_s'] * 1e3:.2f} + {rest * 1e3:.2f} ms off the CPU otherwise ("
-                          + ("the hypervisor's steal: the thread did not block" if not w["blocked"] else
-                             f"blocked {int(w['blocked'])} times, on a lock or the GIL, or steal") + ")")
-            cpu = [worked[k] / step for k, p in enumerate(pushes) if p[0] == mode]
-            print(f"{mode}: the CPU time of the swap's work in the longest slice or the copy per push (time the "
-                  f"hypervisor took the CPU and waits for one left out) / step: median {statistics.median(cpu):.2f}, "
-                  f"max {max(cpu):.2f}, <= 1 step at {sum(x <= 1 for x in cpu)}/{len(cpu)} pushes")
-            longest = [stretches[k] for k, p in enumerate(pushes) if p[0] == mode and stretches.get(k)]
-            if longest:  # inline: what bounds a slice, and which step of the staging it was
-                ats = "; ".join(f"{a} ({n}x)" for a, n in Counter(x["at"] for x in longest).most_common(2))
-                print(f"{mode}: the longest stretch of the swap's work between two checkpoints per push (CPU) / step: "
-                      f"median {statistics.median(x['cpu_s'] for x in longest) / step:.2f}, max "
-                      f"{max(x['cpu_s'] for x in longest) / step:.2f}; most often {ats}")
-        for _, t0, t1, _apply_s, drain_s, worker_s, stage_s in mine:
+        for _, t0, t1, _apply_s, drain_s, worker_s in mine:
             longest = ", ".join(f"{name} {_longest(gaps, t0, t1) / step:5.2f}" for name, gaps in gap_sets.items())
             before = _longest(gap_sets["engine, in a sample"], t0 - 0.02 - (t1 - t0), t0 - 0.02) / step
             longest += f" (engine, the window before: {before:5.2f})"
-            print(f"  {mode:13s} push: longest gap: {longest} (push {(t1 - t0) * 1e3:.1f} ms: staging "
-                  f"{stage_s * 1e3:.1f} ms while generating, the worker's copy/reload {worker_s * 1e3:.2f} ms, "
-                  f"drain {drain_s * 1e3:.1f} ms)")
+            print(f"  {mode:7s} push: longest gap: {longest} (push {(t1 - t0) * 1e3:.1f} ms: the worker's reload "
+                  f"{worker_s * 1e3:.2f} ms, drain {drain_s * 1e3:.1f} ms)")
         for name, gaps in gap_sets.items():
             ratios = [_longest(gaps, t0, t1) / step for _, t0, t1, *_ in mine]
             # the same measure on a window of the same length without a push, just before the push (the last
@@ -274,29 +189,13 @@ async def run(args: argparse.Namespace) -> None:
                      for before in [_longest(gaps, t0 - 0.02 - (t1 - t0), t0 - 0.02)] if before > 0]
             controls = [c for _, c in pairs]
             added = [r - c for r, c in pairs]
-            print(f"{mode:13s}: longest gap {name:19s} / step: median {statistics.median(ratios):5.2f}, max "
+            print(f"{mode:7s}: longest gap {name:19s} / step: median {statistics.median(ratios):5.2f}, max "
                   f"{max(ratios):5.2f}; same windows without a push: median "
                   f"{statistics.median(controls) if controls else float('nan'):5.2f}, "
                   f"max {max(controls) if controls else float('nan'):5.2f}; added by the push: median "
                   f"{statistics.median(added) if added else float('nan'):+5.2f}, max "
                   f"{max(added) if added else float('nan'):+5.2f}, <= 1 step at "
                   f"{sum(a <= 1 for a in added)}/{len(added)} pushes")
-
-
-def _cpu_ticks() -> list[int]:
-    """The machine's CPU time counters (/proc/stat, all CPUs); [] where there is no /proc."""
-    try:
-        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return []
-
-
-def _steal_share(before: list[int], after: list[int]) -> float:
-    """The share of CPU time stolen by the hypervisor between two `_cpu_ticks` (the 8th counter)."""
-    if len(before) < 8 or len(after) < 8:
-        return float("nan")
-    delta = [b - a for a, b in zip(before, after, strict=False)]
-    return delta[7] / max(1, sum(delta[:8]))
 
 
 def _gaps(series) -> list[tuple[float, float]]:  # noqa: ANN001

@@ -1,6 +1,6 @@
 """The numbers of this machine's embedded default model, which the tests deliberately do not assert.
 
-    python bench/bench_tiny_model.py                  # ~1 min on 2 cores (vLLM engine start included)
+    python bench/bench_tiny_model.py                  # includes a vLLM engine start
     python bench/bench_tiny_model.py --no-vllm        # the HF numbers only (seconds)
 
 Prints what differs between builds and CPUs: the build record (SFT steps, accuracies), accuracy measured

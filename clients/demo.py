@@ -11,7 +11,9 @@
    first → last steps, what the mask keeps by answer-token class
    (choice / computed / copied / separator / EOS), and grad_norm by entropy bin,
 6. writes the run's training curve (eval accuracy and reward vs step) to <run dir>/training_curve.png,
-7. stops every service (also on Ctrl-C or an error).
+7. stops every service (also on Ctrl-C or an error), and ends with the path of the run's HTML report
+   (<run dir>/report.html, written by the trainer: the tokens the mask keeps, coloured by entropy, and the curves)
+   and of the probe's (GET /probe/{id}/report, kept in the job's dir).
 """
 
 from __future__ import annotations
@@ -44,16 +46,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _post_probe(url: str, body: dict, timeout_s: float, token: str | None) -> dict:
+def _post_probe(url: str, body: dict, timeout_s: float, token: str | None) -> tuple[dict, str]:
+    """The finished job's summary, and its URL (the Location header)."""
     import httpx
 
-    from forkrl.security import http_headers, http_verify
+    from forkrl.remote.channel import http_headers, http_verify
 
     resp = httpx.post(f"{url}/probe", params={"wait": "true"}, json=body, timeout=timeout_s,
                       headers=http_headers(token), verify=http_verify())  # FORKRL_TLS_CA when set
     if resp.status_code != 200:
         raise RuntimeError(f"probe failed: HTTP {resp.status_code}: {resp.text[:2000]}")
-    return resp.json()
+    return resp.json(), resp.headers["location"]
+
+
+def _get_probe_report(job_url: str, token: str | None) -> None:
+    """GET the job's report once: the service renders it and keeps it in the job's dir (report.html)."""
+    import httpx
+
+    from forkrl.remote.channel import http_headers, http_verify
+
+    resp = httpx.get(f"{job_url}/report", timeout=300, headers=http_headers(token), verify=http_verify())
+    if resp.status_code != 200:
+        raise RuntimeError(f"probe report failed: HTTP {resp.status_code}: {resp.text[:2000]}")
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -134,7 +148,7 @@ def report(run_dir: Path, summary: dict, probe_dir: Path | None, curve: Path | N
     out += ["", f"run dir:     {run_dir}", f"metrics:     {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tb'})",
             f"checkpoints: {run_dir / 'checkpoints'}"]
     if probe_dir is not None:
-        out += [f"probe:       {probe_dir} (summary.json, token_probe_records.jsonl, manifest.json)"]
+        out += [f"probe:       {probe_dir} (summary.json, token_probe_records.jsonl, manifest.json, report.html)"]
         out += [f"plot:        {p}" for p in sorted(probe_dir.glob("*.png"))]
     if curve is not None:
         out += [f"curve:       {curve} (eval accuracy and train reward vs step)"]
@@ -150,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     data = args.data_dir.resolve()
     t0 = time.monotonic()
     shared = default_model_dir()
-    # where the stack's one-shot `model` service installs it (compose.yaml); a copy (2 MB), not a symlink: the
+    # where the stack's one-shot `model` service installs it (compose.yaml); a copy (small), not a symlink: the
     # probe only reads inside its allowed root
     model_dir = data / "models" / "tiny"
     if shared.resolve() != COMMITTED_DIR and read_build_record(shared) is None:
@@ -185,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] $ curl -X POST '{addr['probe']}/probe?wait=true' -H 'content-type: application/json' "
               f"-d '{json.dumps(body)}'", flush=True)
         t_probe = time.monotonic()
-        summary = _post_probe(addr["probe"], body, timeout_s=900, token=stack.token)
+        summary, job_url = _post_probe(addr["probe"], body, timeout_s=900, token=stack.token)
         print(f"[demo] probe done in {time.monotonic() - t_probe:.0f}s", flush=True)
+        _get_probe_report(job_url, stack.token)
         jobs = [p for p in (data / "probe_jobs").glob("*") if (p / "summary.json").is_file()]
         probe_dir = max(jobs, key=lambda p: p.stat().st_mtime) if jobs else None
     from forkrl.training.curves import plot_run_curve, read_metrics
@@ -195,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
                            title=f"demo: top {args.entropy_top_frac:.0%} mask, seed {args.seed}")
     print(report(run_dir, summary, probe_dir, curve))
     print(f"\n[demo] total {time.monotonic() - t0:.0f}s; all services stopped")
+    if probe_dir is not None and (probe_dir / "report.html").is_file():
+        print(f"[demo] the probe's report:  {probe_dir / 'report.html'}")
+    # the trainer wrote it at each evaluation and at the end: the forking tokens, what the mask keeps, the curves
+    print(f"[demo] the run's report (open it in a browser): {run_dir / 'report.html'}")
     return 0
 
 

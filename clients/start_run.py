@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from forkrl.security import grpc_channel
+    from forkrl.remote.channel import grpc_channel
     from forkrl.wire.trainer.v1 import trainer_pb2 as pb2
     from forkrl.wire.trainer.v1 import trainer_pb2_grpc
 

@@ -181,5 +181,5 @@ class TokenSettings(CliSettings):
         return self
 
     def auth_token(self) -> str | None:
-        """The token the service requires (None: it runs open; see forkrl.security.refuse_open_bind)."""
+        """The token the service requires (None: it runs open; see serving.bind.refuse_open_bind)."""
         return self._token

@@ -3,17 +3,25 @@
 Call `apply_runtime_env()` *before* importing torch or vLLM (thread counts are read at import).
 Every value is a default: a variable already set by the user wins.
 
-Why each one (measured, see docs/vllm-cpu-notes in the design docs):
-- VLLM_CPU_KVCACHE_SPACE: unset, vLLM's CPU backend claims most of the RAM and starts 5x slower.
+Why each one (the measurements: docs/results.md, "Numbers moved out of docstrings"):
+- VLLM_CPU_KVCACHE_SPACE: unset, vLLM's CPU backend claims most of the RAM and starts several times slower.
 - VLLM_HOST_IP: otherwise the engine's message queue binds the machine's external address.
 - VLLM_RPC_BASE_PATH / VLLM_CACHE_ROOT / TORCHINDUCTOR_CACHE_DIR: keep sockets and compile caches in
   the project's cache dir instead of /tmp and ~/.cache.
-- OMP_NUM_THREADS: two CPU-bound processes with a thread per core each slow each other 10-20x.
+- OMP_NUM_THREADS: two CPU-bound processes with a thread per core each oversubscribe the cores and slow each
+  other down by an order of magnitude.
+
+`mark_service_process()` / `die_with_service()`: the processes a service's engine starts (vLLM's engine core,
+its worker) end when the service's main process ends, also when it was SIGKILLed (nothing runs in it then).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -45,3 +53,72 @@ def apply_runtime_env(threads: int | None = None) -> None:
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
+
+
+SERVICE_PID_ENV = "FORKRL_SERVICE_PID"
+
+
+def mark_service_process() -> None:
+    """Record this process as the service whose descendants must die with it (`die_with_service`): its pid in
+    FORKRL_SERVICE_PID, which the processes it starts inherit. Call before starting the engine."""
+    os.environ[SERVICE_PID_ENV] = str(os.getpid())
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with the pid, an identity that
+    a reused pid does not share; None when it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def die_with_service(every_s: float = 0.5) -> threading.Thread | None:
+    """In a descendant of the process `mark_service_process` recorded: `die_with` that process. None (nothing
+    watched) outside a service or in the service itself."""
+    try:
+        service = int(os.environ.get(SERVICE_PID_ENV, "0"))
+    except ValueError:
+        return None
+    return die_with(service, every_s) if service != os.getpid() else None
+
+
+def die_with(ancestor: int, every_s: float = 0.5) -> threading.Thread | None:
+    """End this process (SIGKILL) once the process `ancestor` is gone, also when it was SIGKILLed, killing first the
+    processes between the two (vLLM's engine core between the rollout service and a worker of `--engine-mode mp`).
+    Why not vLLM's own mechanism: vLLM gives its workers a death pipe from the engine core, but nothing ties the
+    engine core to its front-end; and not PR_SET_PDEATHSIG: it fires when the *thread* that started the child ends
+    (the engine is built in a thread pool), so a daemon thread polls /proc every `every_s` instead. Returns that
+    thread; None (nothing watched) outside Linux or when `ancestor` is not an ancestor of this process."""
+    if ancestor <= 1 or not sys.platform.startswith("linux"):
+        return None
+    between: list[tuple[int, int | None]] = []  # (pid, start time) of each process from the parent up
+    pid = os.getppid()
+    while pid != ancestor:
+        if pid <= 1 or len(between) >= 8:
+            return None  # not a descendant (the variable leaked into an unrelated process)
+        between.append((pid, _start_time(pid)))
+        pid = _parent(pid)
+    born = _start_time(ancestor)
+
+    def watch() -> None:
+        while born is not None and _start_time(ancestor) == born:
+            time.sleep(every_s)
+        print(f"forkrl: process {ancestor} is gone: ending process {os.getpid()}, which it started",
+              file=sys.stderr, flush=True)
+        for p, started in between:
+            if started is not None and _start_time(p) == started:
+                os.kill(p, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="forkrl-die-with", daemon=True)
+    thread.start()
+    return thread

@@ -1,37 +1,31 @@
-"""The shared bearer token of the forkrl services: where it comes from, how it is checked, how clients send it.
+"""The shared bearer token of the forkrl services and the confinement of request paths: the rules, no server.
 
     token = load_token()                        # FORKRL_TOKEN, else the file named by FORKRL_TOKEN_FILE, else None
-    channel = grpc_channel("127.0.0.1:50052")   # a gRPC channel whose every call carries `authorization: Bearer …`
-    httpx.get(url, headers=http_headers())      # the same header for the probe's HTTP API
-    server = grpc.aio.server(interceptors=server_interceptors(token))   # UNAUTHENTICATED without it
+    check_authorization("Bearer abc", token)    # None when it is the token, else the sentence a refused client gets
+    confine_path(p, roots, "run_dir", "the trainer's runs_root (--runs-root)")   # the real path, or refused
 
 All three services take one token (`--token-file` / `FORKRL_TOKEN_FILE`, or `FORKRL_TOKEN`); every RPC and
-route but the health checks (and gRPC reflection) needs it. A service without a token runs open only on a
-loopback address, with a warning; on any other address it refuses to start (`refuse_open_bind`). The local
-launcher and compose.yaml create a token when none is given:
+route but the health checks (and gRPC reflection) needs it. The local launcher and compose.yaml create a token
+when none is given:
 
     python -m forkrl.security ensure-token /data/secrets/token     # keeps an existing file; 0600
 
-TLS is optional: a service given a certificate and key (`--tls-cert-file`/`--tls-key-file`, FORKRL_TLS_CERT /
-FORKRL_TLS_KEY) listens only with TLS (`add_server_port`; the probe through uvicorn); clients speak TLS when
-FORKRL_TLS_CA names the CA to trust (`grpc_channel`, `http_verify`), plaintext otherwise.
+Where the rules are applied: the services' gRPC interceptor, server options, TLS listening and the loopback-only
+rule without a token are in `serving/` (outside the core: the core holds no server code); the clients' channel,
+metadata and HTTP headers in `forkrl/remote/channel.py`; the probe's HTTP check in `probe_service/`.
 
 Paths a request names are confined to the roots a service is configured with (`confine_path`: '..' refused,
-symlinks followed). Comparison is constant-time (hmac.compare_digest). gRPC is imported only by the
-functions that need it.
+symlinks followed). Comparison is constant-time (hmac.compare_digest).
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
-import logging
 import os
 import secrets
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 TOKEN_ENV = "FORKRL_TOKEN"
 TOKEN_FILE_ENV = "FORKRL_TOKEN_FILE"
@@ -45,11 +39,6 @@ HEADER = "authorization"
 HOW_TO_SET = (f"set {TOKEN_ENV} (or {TOKEN_FILE_ENV}, a file holding it) in the client's environment to the "
               "services' token; the local launcher writes it to <data-dir>/secrets/token, compose to "
               "/data/secrets/token in its volume")
-# Always open: liveness probes (Docker, the launcher) and the schema of the API.
-OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
-                      "/grpc.reflection.v1.ServerReflection/")
-
-log = logging.getLogger("forkrl.security")
 
 
 class TokenError(ValueError):
@@ -99,32 +88,16 @@ def check_authorization(header: str | None, token: str) -> str | None:
     return None
 
 
-def http_headers(token: str | None = None) -> dict[str, str]:
-    """Headers for the probe's HTTP API: the token of `token` or of the environment (none when unset)."""
-    token = load_token() if token is None else token
-    return {HEADER: f"Bearer {token}"} if token else {}
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` reaches only this machine (127.0.0.0/8, ::1, localhost)."""
-    if host.strip().lower() == "localhost":
-        return True
+def read_tls_file(path: str, what: str) -> bytes:
+    """The bytes of a TLS file (certificate, key, CA); TokenError naming `what` and the file when it cannot be
+    read or is empty."""
     try:
-        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def refuse_open_bind(service: str, host: str, token: str | None) -> None:
-    """The start-up rule: no token on a non-loopback address → SystemExit; no token on loopback → a warning."""
-    if token:
-        return
-    if not is_loopback(host):
-        raise SystemExit(
-            f"{service}: refusing to listen on {host} without a token: anyone who reaches it could use it. "
-            f"Set {TOKEN_ENV} or {TOKEN_FILE_ENV} (or --token-file), or bind 127.0.0.1.")
-    log.warning("%s: NO TOKEN SET: every local user and process can call this service on %s. "
-                "Set %s or %s to require one.", service, host, TOKEN_ENV, TOKEN_FILE_ENV)
+        data = Path(path).expanduser().read_bytes()
+    except OSError as err:
+        raise TokenError(f"TLS {what} {path!r} cannot be read: {err.strerror or err}") from None
+    if not data.strip():
+        raise TokenError(f"TLS {what} {path!r} is empty")
+    return data
 
 
 # --------------------------------------------------------------------------------------------- paths
@@ -153,143 +126,6 @@ def confine_path(path: str | os.PathLike, roots: Sequence[Path], what: str, sett
 
 def real_roots(roots: Sequence[str | os.PathLike]) -> list[Path]:
     return [Path(r).expanduser().resolve() for r in roots]
-
-
-# --------------------------------------------------------------------------------------------- gRPC
-def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    return ((HEADER, f"Bearer {token}"),)
-
-
-def tls_ca(env: Mapping[str, str] | None = None) -> str | None:
-    """The clients' CA file (FORKRL_TLS_CA): set, clients speak TLS and trust only that CA; else plaintext."""
-    env = os.environ if env is None else env
-    return env.get(TLS_CA_ENV, "").strip() or None
-
-
-def read_tls_file(path: str, what: str) -> bytes:
-    try:
-        data = Path(path).expanduser().read_bytes()
-    except OSError as err:
-        raise TokenError(f"TLS {what} {path!r} cannot be read: {err.strerror or err}") from None
-    if not data.strip():
-        raise TokenError(f"TLS {what} {path!r} is empty")
-    return data
-
-
-def http_verify(ca_file: str | None = None) -> Any:
-    """httpx's `verify=` for the probe's API: an SSL context trusting the CA file (argument, else
-    FORKRL_TLS_CA), else True (the system's CAs)."""
-    import ssl
-
-    ca_file = ca_file or tls_ca()
-    return ssl.create_default_context(cafile=ca_file) if ca_file else True
-
-
-def grpc_channel(address: str, *, options: Sequence[tuple[str, Any]] = (), token: str | None = None,
-                 ca_file: str | None = None) -> Any:
-    """A gRPC channel that sends the token with every call. `token=None` takes it from the environment
-    (load_token); `token=""` sends none. TLS when a CA file is given or FORKRL_TLS_CA is set (the server's
-    certificate must be signed by it; FORKRL_TLS_SERVER_NAME overrides the name it is checked for), else
-    plaintext."""
-    import grpc
-
-    ca_file = ca_file or tls_ca()
-    if ca_file:
-        creds = grpc.ssl_channel_credentials(root_certificates=read_tls_file(ca_file, "CA file"))
-        name = os.environ.get(TLS_SERVER_NAME_ENV, "").strip()
-        opts = [*options, *([("grpc.ssl_target_name_override", name)] if name else [])]
-        channel = grpc.secure_channel(address, creds, options=opts)
-    else:
-        channel = grpc.insecure_channel(address, options=list(options))
-    token = load_token() if token is None else token
-    return grpc.intercept_channel(channel, _client_interceptor(token)) if token else channel
-
-
-def _client_interceptor(token: str) -> Any:
-    import collections
-
-    import grpc
-
-    class Details(collections.namedtuple("Details", ("method", "timeout", "metadata", "credentials",
-                                                     "wait_for_ready", "compression")), grpc.ClientCallDetails):
-        pass
-
-    extra = auth_metadata(token)
-
-    class AddToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-        def _details(self, d: Any) -> Any:
-            meta = [m for m in (d.metadata or ()) if m[0] != HEADER]
-            return Details(d.method, d.timeout, (*meta, *extra), d.credentials, d.wait_for_ready,
-                           getattr(d, "compression", None))
-
-        def intercept_unary_unary(self, continuation, details, request):
-            return continuation(self._details(details), request)
-
-        def intercept_unary_stream(self, continuation, details, request):
-            return continuation(self._details(details), request)
-
-        def intercept_stream_unary(self, continuation, details, request_iterator):
-            return continuation(self._details(details), request_iterator)
-
-        def intercept_stream_stream(self, continuation, details, request_iterator):
-            return continuation(self._details(details), request_iterator)
-
-    return AddToken()
-
-
-def add_server_port(server: Any, address: str, cert_file: str | None = None, key_file: str | None = None) -> int:
-    """Listen on `address`: TLS with the certificate chain and key from files when given, else plaintext.
-    Returns the port (RuntimeError from grpc when it cannot bind)."""
-    if not cert_file:
-        return server.add_insecure_port(address)
-    import grpc
-
-    creds = grpc.ssl_server_credentials([(read_tls_file(key_file or "", "key file"),
-                                          read_tls_file(cert_file, "certificate file"))])
-    return server.add_secure_port(address, creds)
-
-
-def grpc_server_options(max_receive_bytes: int, max_send_bytes: int, max_streams: int) -> list[tuple[str, int]]:
-    """Options of every forkrl grpc.aio server: message limits, concurrent streams per connection, and no
-    SO_REUSEPORT (gRPC's default: a second service on the same port would start silently and share the
-    traffic; fail instead)."""
-    return [("grpc.max_receive_message_length", max_receive_bytes),
-            ("grpc.max_send_message_length", max_send_bytes),
-            ("grpc.max_concurrent_streams", max_streams),
-            ("grpc.so_reuseport", 0)]
-
-
-def server_interceptors(token: str | None) -> list[Any]:
-    """The interceptors of a grpc.aio server: with a token, every RPC but health and reflection needs it
-    (UNAUTHENTICATED otherwise, naming how to set it); without one, none."""
-    if not token:
-        return []
-    import grpc
-
-    class RequireToken(grpc.aio.ServerInterceptor):
-        async def intercept_service(self, continuation, details):
-            handler = await continuation(details)
-            if handler is None or details.method.startswith(OPEN_GRPC_PREFIXES):
-                return handler
-            header = next((v for k, v in details.invocation_metadata or () if k == HEADER), None)
-            problem = check_authorization(header if isinstance(header, str) else None, token)
-            if problem is None:
-                return handler
-
-            async def refuse(request_or_iterator, context):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
-
-            kind = ("stream" if handler.request_streaming else "unary",
-                    "stream" if handler.response_streaming else "unary")
-            make = {("unary", "unary"): grpc.unary_unary_rpc_method_handler,
-                    ("unary", "stream"): grpc.unary_stream_rpc_method_handler,
-                    ("stream", "unary"): grpc.stream_unary_rpc_method_handler,
-                    ("stream", "stream"): grpc.stream_stream_rpc_method_handler}[kind]
-            return make(refuse, request_deserializer=handler.request_deserializer,
-                        response_serializer=handler.response_serializer)
-
-    return [RequireToken()]
 
 
 # --------------------------------------------------------------------------------------------- CLI

@@ -18,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from probe_service.config import ProbeSettings
 
     settings = parse_settings(ProbeSettings, argv)
-    from forkrl.security import refuse_open_bind
+    from serving.bind import refuse_open_bind
 
     refuse_open_bind("probe service", settings.host, settings.auth_token())  # no token: loopback only
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # read when torch is imported

@@ -78,8 +78,6 @@ def admit(params: ProbeParams, settings: ProbeSettings) -> ProbePlan:
     if params.reward and params.reward not in BUILTIN_REWARDS and not settings.allow_custom_rewards:
         raise RequestError(400, f"reward {params.reward!r} is not allowed; use {' or '.join(BUILTIN_REWARDS)}")
     try:
-        if params.sampler == "auto":
-            params = params.model_copy(update={"sampler": settings.auto_sampler})
         plan = plan_probe(params, inside_roots(settings.resolved_roots()))
     except CheckpointNotFound as exc:
         raise RequestError(

@@ -10,7 +10,7 @@ must stay instant.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -34,21 +34,18 @@ class ProbeSettings(TokenSettings):
     jobs_dir: str = "probe_jobs"
     """Where each job's output directory is created."""
     max_concurrent_jobs: int = Field(1, ge=1, le=64)
-    """Jobs that run at the same time."""
+    """Jobs that run at the same time (in worker threads of this process). Their vLLM sampling (the sampler
+    'auto' and 'vllm') takes turns: one in-process engine at a time per process (forkrl/probe/engines.py)."""
     max_queued_jobs: int = Field(4, ge=0, le=10_000)
     """Jobs that may wait for a free worker; beyond that POST gets 429."""
     threads: int = Field(1, ge=1, le=256)
-    """torch threads for sampling and gradients."""
+    """torch threads for sampling and gradients (kept after a vLLM engine: forkrl/probe/engines.py)."""
     device: str = "auto"
     """torch device for jobs: auto (cuda if present), cpu, cuda."""
     wait_timeout_s: float = Field(3600.0, gt=0)
     """Longest time POST /probe?wait=true blocks before answering 202."""
     allow_custom_rewards: bool = False
     """Accept reward='package.module:function' in requests (imports and runs that code)."""
-    auto_sampler: Literal["transformers", "vllm"] = "transformers"
-    """What a request's sampler 'auto' means here. transformers (default): the service's jobs share one
-    process, and an in-process vLLM engine per job inside a worker thread is not tested yet; vllm: faster
-    sampling (the CLI's 'auto' default), one job at a time (max_concurrent_jobs 1)."""
     max_job_samples: int = Field(8192, ge=1)
     """Largest checkpoints x num_prompts x num_samples one job may sample (POST /probe: 422 beyond)."""
     max_job_tokens: int = Field(1 << 24, ge=1)

@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import grpc
 
-    from forkrl.clients.rollout import RolloutClient
+    from forkrl.remote.rollout import RolloutClient
 
     with RolloutClient(args.address) as client:
         try:

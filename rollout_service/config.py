@@ -30,53 +30,38 @@ class RolloutSettings(TokenSettings):
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port (0 = any free port, printed at start)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """Engine dtype. float32 is the safe CPU default and matches the trainer's fp32 logprobs (~1e-5);
-    bfloat16 is ~4x faster on CPU but logprobs then differ from fp32 by up to ~0.5."""
+    """Engine dtype. float32 is the safe CPU default and matches the trainer's fp32 logprobs (to float32
+    rounding); bfloat16 is faster but its logprobs differ from the trainer's by far more (the IS ratio and the
+    clip then see that gap; docs/results.md has a measurement)."""
     max_model_len: int | None = Field(None, gt=0)
     """Longest prompt + completion in tokens (default: the model's max_position_embeddings)."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """Memory for the KV cache in GiB (vLLM's CPU backend takes most of the RAM when unset)."""
     enforce_eager: bool = True
-    """Skip graph capture / torch.compile: starts ~2x faster on CPU at about the same throughput."""
+    """Skip graph capture / torch.compile: a faster start on CPU, at about the same throughput there."""
     threads: int | None = Field(None, gt=0)
     """CPU threads for the model (OMP_NUM_THREADS of the engine; in mp mode also binds cores
     0..threads-1). Default: vLLM's automatic choice (all cores)."""
     seed: int = 0
     """Engine seed (requests without a seed draw from it)."""
     engine_mode: Literal["uni", "mp"] = "uni"
-    """Where the model runs. uni: inside vLLM's engine-core process (2 processes in all, faster start,
-    ~0.6 GB less RSS); mp: in a separate worker process with vLLM's OpenMP core binding (vLLM's default
+    """Where the model runs. uni: inside vLLM's engine-core process (2 processes in all: a faster start and
+    one worker process less in memory); mp: in a separate worker process with vLLM's OpenMP core binding (vLLM's default
     on CPU). The gRPC server runs apart from the model in both."""
     swap_mode: Literal["inplace", "drain"] = "inplace"
     """How pushed weights replace the served ones. inplace: between two engine steps, the samples in flight
-    continue under the new weights (generation stalls for the apply, see stage_weights; a sample reports the
-    versions it was sampled with, first and last); drain: new samples wait until every sample in flight has
-    finished, so each sample has one version, but generation runs dry for the drain (bench/bench_swap.py)."""
-    stage_weights: bool = True
-    """Swap mode inplace: load pushed weights into a shadow copy of the model in slices between engine steps
-    while generation goes on (stage_slice_ms each), then copy them in between two engine steps, so a push
-    delays no step by more than a slice or the copy (rollout_service/shadow.py). Costs a second copy of the
-    weights in the worker. Used while samples are running; an idle engine (a sync trainer's push) is reloaded
-    directly. false: pause the engine, run vLLM's reload, resume (generation stalls for the whole reload)."""
-    stage_slice_ms: float = Field(1.0, gt=0)
-    """stage_weights: how long the staging runs between two engine steps (the staging takes as many steps as
-    it needs; a smaller slice delays each step less and the push completes later). Keep it well below one
-    engine step: 1 ms against ~4-7 ms steps of the tiny model on CPU; with a real model on a GPU (tens of ms
-    per step) 5-10 ms finishes a push in far fewer steps."""
-    stage_native_beside: bool | None = None
-    """stage_weights with stage_inline false: whether the staging thread's native calls that release the GIL
-    (oneDNN weight packing on CPU, copies to a GPU) may run on beside the engine after their slice is over.
-    false: the slice waits for them (it overruns by what is left of the call, ~1 ms for the tiny model), so the
-    staging never runs beside the engine; right on CPU, where that work takes a core from the engine and the
-    front-end. true: right on a GPU, where a large copy to the device does not compete with the engine and may
-    outlast a step. Default (unset): true on a GPU, false on CPU."""
-    stage_inline: bool | None = None
-    """stage_weights: run the staging on the engine's own thread, switched in between two steps and out at
-    the first checkpoint (a tensor read, a layer set up, before each of vLLM's layer steps) after its slice, or
-    at one before a layer step that took longer than what is left of the slice (a greenlet: no second thread,
-    so no hand-over of the cores between two threads, which on a loaded CPU machine can hold a step for a wait on
-    the scheduler). false: a staging thread of its own, parked at the first function return after its slice
-    (stage_native_beside applies). Default (unset): true on CPU, false on a GPU."""
+    continue under the new weights (vLLM's scheduler is paused in its "keep" mode for the reload, then resumes:
+    generation stalls for the reload; a sample reports the versions it was sampled with, first and last);
+    drain: new samples wait until every sample in flight has finished, so each sample has one version, but
+    generation runs dry for the drain (bench/bench_swap.py measures both)."""
+    weight_transfer: Literal["auto", "gloo", "nccl", "none"] = "auto"
+    """The backend of vLLM's weight-transfer API the engine offers for pushes (InitWeightTransfer ...
+    FinishWeightUpdate: the trainer broadcasts the weights layer by layer into the engine's workers). auto: gloo
+    on CPU (forkrl/weights/transfer_gloo.py), vLLM's nccl on a GPU; none: pushes only by UpdateWeights and
+    LoadWeights."""
+    transfer_timeout_s: float = Field(300.0, gt=0)
+    """A weight-transfer push that sees no call for this long is ended without a commit (generation resumes; the
+    weights are reported broken if a chunk had arrived); also how long one broadcast waits for the trainer."""
     max_num_seqs: int = Field(256, gt=0)
     """Most sequences the engine batches at once (vLLM's max_num_seqs)."""
     max_prompts_per_request: int = Field(16384, gt=0)
@@ -106,7 +91,7 @@ class RolloutSettings(TokenSettings):
     """On SIGTERM: seconds in-flight RPCs get to finish before they are cancelled."""
     max_message_mib: int = Field(64, gt=4)
     """gRPC send/receive message limit in MiB. Pushed weights arrive in chunks of at most 4 MiB
-    (forkrl/weights/wire.py), so this bounds Generate requests (many prompts) and any one message."""
+    (forkrl/weights/chunks.py), so this bounds Generate requests (many prompts) and any one message."""
     max_concurrent_streams: int = Field(64, gt=0)
     """gRPC: most RPCs one client connection may have open at once (more wait in the client)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -133,9 +118,10 @@ def apply_engine_env(settings: RolloutSettings) -> None:
     """Set the process environment the engine reads at import: call before torch/vLLM are imported."""
     import os
 
-    from forkrl.runtime import apply_runtime_env
+    from forkrl.runtime import apply_runtime_env, mark_service_process
 
     apply_runtime_env(threads=settings.threads)
+    mark_service_process()  # the engine's processes end with this one, also on SIGKILL (worker_ext.py)
     # The KV cache size is passed as kv_cache_memory_bytes; vLLM's CPU platform would let the legacy
     # integer-GiB variable (which apply_runtime_env defaults to 1) override it.
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)

@@ -4,13 +4,13 @@
 per (seed, prompt, sample), the swap gate and the policy version, weight checks, counters. The model is
 behind the `Backend` protocol (`types.py`): `VllmBackend` (`vllm_backend.py`, the only code that touches
 vLLM) or a fake in the plumbing tests, so this logic is tested without a model. Pushed weights are received
-and verified in `staging.py`.
+and verified in `receive.py`.
 
 Swap protocols (`swap_mode`):
 - "inplace" (default): the weights are applied between two engine steps with the requests in flight kept
-  scheduled and the version bumped before any later token is seen: the backend stages them in a shadow
-  model while generating and copies them in (`stage_weights`), or pauses, reloads and resumes; generation
-  stalls for the copy or the reload, never for the samples in flight (bench/bench_swap.py measures it). A sample in
+  scheduled and the version bumped before any later token is seen: the backend pauses vLLM's scheduler in its
+  "keep" mode, reloads and resumes; generation stalls for the reload, never for the samples in flight
+  (bench/bench_swap.py measures it). A sample in
   flight during a push continues under the new weights (its KV cache of earlier tokens stays), so its tokens
   may come from two versions: it reports `policy_version` = the version served when it was submitted (no
   older than its first token's) and `last_policy_version` = the version served when it finished (never older
@@ -46,10 +46,19 @@ from pathlib import Path
 from typing import Any
 
 from forkrl.seeds import sample_seed
-from forkrl.weights.safetensors import DTYPES, WeightsError, checkpoint_files, read_checkpoint_specs
-from forkrl.weights.wire import TensorMeta, validate_metas
+from forkrl.weights.chunks import TensorMeta, validate_metas
+from forkrl.weights.finite import first_nonfinite
+from forkrl.weights.safetensors import (
+    DTYPES,
+    WeightsError,
+    check_data_section,
+    checkpoint_files,
+    iter_safetensors,
+    read_checkpoint_specs,
+)
 from rollout_service.gate import SwapGate
-from rollout_service.staging import default_staging_dir, staged_weights
+from rollout_service.receive import default_staging_dir, received_weights
+from rollout_service.transfer import WeightTransfer
 from rollout_service.types import (
     Backend,
     Completion,
@@ -79,6 +88,7 @@ class RolloutEngine:
         swap_mode: str = "inplace",
         lease_timeout_s: float = 900.0,
         drain_timeout_s: float | None = None,
+        transfer_timeout_s: float = 300.0,
     ) -> None:
         if swap_mode not in SWAP_MODES:
             raise ValueError(f"swap_mode must be one of {SWAP_MODES}, got {swap_mode!r}")
@@ -90,19 +100,21 @@ class RolloutEngine:
         self.staging_dir = Path(staging_dir) if staging_dir else default_staging_dir()
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self._on_serving = on_serving
-        self._gate = SwapGate()
-        self._apply_lock = asyncio.Lock()
-        self._broken: str | None = None  # set when a reload failed half-way
+        self.gate = SwapGate()
+        self.apply_lock = asyncio.Lock()
+        self.broken: str | None = None  # set when a reload failed half-way
         self.lease_timeout_s = lease_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self._lease = ""  # the run holding the rollout ("" = none)
-        self._lease_until = 0.0  # time.monotonic() when it expires
+        self._lease_until = 0.0  # clock() when it expires
+        self.clock: Callable[[], float] = time.monotonic  # the lease's clock (a test moves it instead of waiting)
         self._running: dict[str, asyncio.Task[Completion]] = {}  # every engine request in flight
         self._swap_aborted: set[str] = set()  # requests aborted by a drain timeout
         self.specs = read_checkpoint_specs(backend.model)
         tied = bool(backend.engine_settings.get("tie_word_embeddings"))
         # HF state dicts of tied models carry lm_head.weight; checkpoints (and vLLM) do not.
         self.ignorable = {"lm_head.weight"} if tied and "lm_head.weight" not in self.specs else set()
+        self.transfer = WeightTransfer(self, transfer_timeout_s)  # pushes through vLLM's weight-transfer API
 
     # ----------------------------------------------------------------------------------- validation
     def prepare_prompts(self, prompts: Sequence[str | Sequence[int] | None]) -> list[list[int]]:
@@ -184,12 +196,12 @@ class RolloutEngine:
             )
         if len(tag) > 64:
             raise InvalidArgument(f"request_tag must be at most 64 characters, got {len(tag)}")
-        if self._broken:
-            raise FailedPrecondition(self._broken)
+        if self.broken:
+            raise FailedPrecondition(self.broken)
         offsets = list(prompt_offsets) or list(range(len(prompt_ids)))
         total = len(prompt_ids) * spec.n
 
-        await self._gate.enter(total)
+        await self.gate.enter(total)
         version = self.version
         self.counters.requests += 1
         base = f"{tag or 'gen'}-{uuid.uuid4().hex[:12]}"
@@ -199,7 +211,7 @@ class RolloutEngine:
         def on_done(task: asyncio.Task[Completion], i: int, j: int, rid: str) -> None:
             # Leaving the gate when the engine is done (not when the client has read the sample) keeps
             # a slow reader from holding up a weight swap.
-            self._gate.leave(1)
+            self.gate.leave(1)
             done.put_nowait((i, j, rid, task, self.version))  # the newest version that can have sampled it
 
         for i, ids in enumerate(prompt_ids):
@@ -223,8 +235,8 @@ class RolloutEngine:
                         raise Unavailable(f"sample {rid} was aborted: a weight swap waited drain_timeout_s "
                                           f"{self.drain_timeout_s:g} s for it; sample again")
                     c = task.result()  # an engine error ends the call; `finally` aborts the rest
-                    if self._broken:  # an in-place reload failed while this sample ran: its weights are unknown
-                        raise FailedPrecondition(self._broken)
+                    if self.broken:  # an in-place reload failed while this sample ran: its weights are unknown
+                        raise FailedPrecondition(self.broken)
                     self.counters.samples += 1
                     self.counters.prompt_tokens += len(prompt_ids[i])
                     self.counters.generated_tokens += len(c.token_ids)
@@ -259,13 +271,13 @@ class RolloutEngine:
 
     def lease(self) -> tuple[str, float]:
         """(the run holding the lease or "", seconds until it expires); an expired lease is dropped here."""
-        left = self._lease_until - time.monotonic()
+        left = self._lease_until - self.clock()
         if self._lease and left <= 0:
             log.info("the lease of run %s expired (no push for %.0f s)", self._lease, self.lease_timeout_s)
             self._lease = ""
         return self._lease, max(left, 0.0) if self._lease else 0.0
 
-    def _check_push(self, run_id: str, target_version: int) -> None:
+    def check_push(self, run_id: str, target_version: int) -> None:
         holder, left = self.lease()
         if holder and run_id != holder:
             who = f"run {run_id!r}" if run_id else "a push without run_id"
@@ -275,6 +287,23 @@ class RolloutEngine:
                 "`python -m rollout_service.admin reset-lease --address HOST:PORT`"
             )
         self._check_version(target_version)
+
+    def take_lease(self, run_id: str) -> None:
+        """Take (or renew) the lease for `run_id`; a push without a run id takes none."""
+        if run_id:
+            self._lease, self._lease_until = run_id, self.clock() + self.lease_timeout_s
+
+    def commit(self, target_version: int) -> None:
+        """The weights of `target_version` are in place (the engine not yet resumed): serve them as that version."""
+        self.broken = None
+        self.version = target_version
+        self.counters.weight_reloads += 1
+
+    async def mark_broken(self, why: str) -> None:
+        """The served weights are unknown (a reload or a weight transfer failed half-way): FAILED_PRECONDITION for
+        every Generate and NOT_SERVING until a push or load succeeds."""
+        self.broken = why
+        await self.set_serving(False)
 
     def release_lease(self, run_id: str, force: bool = False) -> str:
         """Give up the lease: its holder (`run_id`), or anyone with `force` (the operator's reset). Returns the run
@@ -293,6 +322,25 @@ class RolloutEngine:
         except WeightsError as e:
             raise InvalidArgument(str(e).replace("total_bytes", "header.total_bytes")) from None
 
+    async def _check_finite(self, path: str | Path, what: str) -> None:
+        """InvalidArgument naming the first tensor under `path` whose bytes lie outside its file (a truncated file)
+        or that holds a NaN or inf: such weights never reach the engine (one fused reduction per tensor over the
+        file's memory map, in a thread: generation goes on)."""
+        files = checkpoint_files(path)
+
+        def scan() -> str | None:
+            for f in files:
+                check_data_section(f)
+            return first_nonfinite(iter_safetensors(files))
+
+        try:
+            bad = await asyncio.to_thread(scan)
+        except WeightsError as e:
+            raise InvalidArgument(f"{what}: {e}") from None
+        if bad is not None:
+            raise InvalidArgument(f"{what}: tensor {bad!r} holds NaN or inf values; refused, version {self.version} "
+                                  "keeps serving")
+
     async def update_weights(
         self,
         target_version: int,
@@ -302,14 +350,16 @@ class RolloutEngine:
         chunks: AsyncIterator[bytes],
         run_id: str = "",
     ) -> SwapResult:
-        """Receive a pushed state dict into a staging safetensors file, verify it, then swap.
+        """Receive a pushed state dict into a staging safetensors file, verify it (size, sha256, every tensor
+        finite), then swap.
 
         Everything is checked before the engine is touched; any failure (including the caller's stream
         being cancelled) leaves the served weights and version as they were."""
         try:
-            self._check_push(run_id, target_version)
+            self.check_push(run_id, target_version)
             self._check_metas(metas, total_bytes)
-            async with staged_weights(self.staging_dir, target_version, metas, total_bytes, sha256, chunks) as staged:
+            async with received_weights(self.staging_dir, target_version, metas, total_bytes, sha256, chunks) as staged:
+                await self._check_finite(staged.path, "the pushed weights")
                 # the swap owns the file from here: the reload may outlive this call (a cancelled push)
                 result = await self._swap(str(staged.path), target_version, run_id, staged=staged.hand_over())
             result.receive_s, result.bytes_received = staged.receive_s, staged.bytes_received
@@ -319,9 +369,10 @@ class RolloutEngine:
             raise
 
     async def load_weights(self, path: str, target_version: int, run_id: str = "") -> SwapResult:
-        """Swap in the weights of a checkpoint directory (or one .safetensors file) after checking it."""
+        """Swap in the weights of a checkpoint directory (or one .safetensors file) after checking it (names, dtypes
+        and shapes against the served model, every tensor finite)."""
         try:
-            self._check_push(run_id, target_version)
+            self.check_push(run_id, target_version)
             if not path:
                 raise InvalidArgument("path is empty")
             p = Path(path)
@@ -342,6 +393,7 @@ class RolloutEngine:
                                field=f"checkpoint {path!r}")
             except WeightsError as e:
                 raise InvalidArgument(str(e)) from None
+            await self._check_finite(p, f"checkpoint {path!r}")
             return await self._swap(str(p), target_version, run_id)
         except BaseException:
             self.counters.rejected_weight_updates += 1
@@ -350,10 +402,9 @@ class RolloutEngine:
     async def _swap(self, path: str, target_version: int, run_id: str, staged: Path | None = None) -> SwapResult:
         """Drain and reload from `path`; `staged` (a staging file) is removed once the reload is over."""
         try:
-            async with self._apply_lock:
-                self._check_push(run_id, target_version)  # again: another swap may have won the race
-                if run_id:  # taken (or renewed) before the reload: a second run waiting for the lock is refused
-                    self._lease, self._lease_until = run_id, time.monotonic() + self.lease_timeout_s
+            async with self.apply_lock:
+                self.check_push(run_id, target_version)  # again: another swap may have won the race
+                self.take_lease(run_id)  # before the reload: a second run waiting for the lock is refused
                 # The reload runs as its own task: if the caller's RPC is cancelled mid-reload (or while
                 # draining), the reload still completes and the version is committed, so version and
                 # weights never disagree. The task, not the caller, removes the staged file afterwards.
@@ -369,69 +420,52 @@ class RolloutEngine:
 
     async def _drain_and_reload(self, path: str, target_version: int) -> SwapResult:
         t0 = time.perf_counter()
-        await self._set_serving(False)
+        await self.set_serving(False)
         try:
-            async with self._gate.closed(self.drain_timeout_s) as drained:
+            async with self.gate.closed(self.drain_timeout_s) as drained:
                 if not drained:
-                    self._abort_for_swap()
-                    await self._gate.wait_drained()
+                    self.abort_for_swap()
+                    await self.gate.wait_drained()
                 t1 = time.perf_counter()
                 try:
                     await self.backend.reload(path)
                 except Exception as e:
-                    self._broken = (
+                    self.broken = (
                         f"a weight reload failed half-way ({type(e).__name__}: {e}); the served weights "
                         "are unknown until a push or load succeeds"
                     )
                     log.exception("weight reload from %s failed", path)
-                    raise FailedPrecondition(self._broken) from e
-                self._broken = None
-                self.version = target_version
-                self.counters.weight_reloads += 1
+                    raise FailedPrecondition(self.broken) from e
+                self.commit(target_version)
                 t2 = time.perf_counter()
         finally:
-            if not self._broken:
-                await self._set_serving(True)
+            if not self.broken:
+                await self.set_serving(True)
         log.info("weights v%d in place: drain %.3f s, apply %.3f s", target_version, t1 - t0, t2 - t1)
         return SwapResult(version=target_version, apply_s=t2 - t1, drain_s=t1 - t0)
 
     async def _reload_in_place(self, path: str, target_version: int) -> SwapResult:
         """Pause between engine steps (requests in flight stay scheduled), apply, bump the version, resume."""
         t0 = time.perf_counter()
-        was_broken = self._broken is not None
-
-        def commit() -> None:  # the new weights are in place, the engine still paused
-            self._broken = None
-            self.version = target_version
-            self.counters.weight_reloads += 1
+        was_broken = self.broken is not None
 
         try:
-            await self.backend.reload(path, keep_running=True, before_resume=commit)
+            await self.backend.reload(path, keep_running=True, before_resume=lambda: self.commit(target_version))
         except Exception as e:
-            self._broken = (
+            self.broken = (
                 f"an in-place weight reload failed half-way ({type(e).__name__}: {e}); the served weights are "
                 "unknown until a push or load succeeds"
             )
             log.exception("in-place weight reload from %s failed", path)
-            await self._set_serving(False)
-            raise FailedPrecondition(self._broken) from e
+            await self.set_serving(False)
+            raise FailedPrecondition(self.broken) from e
         t1 = time.perf_counter()
         if was_broken:
-            await self._set_serving(True)
-        route = getattr(self.backend, "last_route", "") or "reloaded"
-        held = ""
-        if route == "staged":  # the stall: the longest call of the swap into the engine's loop (slice or copy)
-            b = self.backend
-            held = (f"; the engine held at most {max(b.last_max_slice_s, b.last_reload_s) * 1e3:.1f} ms at a time "
-                    f"({b.last_stage_slices} slices, then the copy)")
-            stretch = getattr(b, "last_longest_stretch", {})
-            if stretch:  # inline: what bounds a slice (a checkpoint-to-checkpoint stretch of the swap's work)
-                held += (f"; its longest stretch of work {stretch['cpu_s'] * 1e3:.1f} ms of CPU ({stretch['at']}; "
-                         f"{stretch['layer_step_checkpoints']} checkpoints before a layer step)")
-        log.info("weights v%d in place (in flight kept, %s): apply %.3f s%s", target_version, route, t1 - t0, held)
+            await self.set_serving(True)
+        log.info("weights v%d in place (in flight kept): apply %.3f s", target_version, t1 - t0)
         return SwapResult(version=target_version, apply_s=t1 - t0, drain_s=0.0)
 
-    def _abort_for_swap(self) -> None:
+    def abort_for_swap(self) -> None:
         """The drain timed out: cancel every sample still running (their calls end UNAVAILABLE) so the swap goes on."""
         rids = list(self._running)
         log.warning("drain_timeout_s %.1f s passed with %d samples running: aborting them for the swap",
@@ -442,7 +476,7 @@ class RolloutEngine:
             self._running[rid].cancel()
         asyncio.ensure_future(self.backend.abort(rids))
 
-    async def _set_serving(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool) -> None:
         if self._on_serving is not None:
             await self._on_serving(serving)
 

@@ -2,7 +2,7 @@
 
 The logic is in `engine.py` (types and errors in `types.py`); this module only translates. Life cycle:
 1. listen at once with health NOT_SERVING (clients can connect and watch),
-2. start the engine in a thread (~10-20 s on CPU), then SERVING,
+2. start the engine in a thread (seconds; the health checks are answered meanwhile), then SERVING,
 3. NOT_SERVING again while weights are swapped (set by the engine),
 4. SIGTERM/SIGINT: NOT_SERVING, stop accepting, give in-flight RPCs `grace_s`, shut the engine down.
 """
@@ -21,14 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from forkrl.security import (
-    OutsideRoots,
-    add_server_port,
-    confine_path,
-    grpc_server_options,
-    refuse_open_bind,
-    server_interceptors,
-)
+from forkrl.security import OutsideRoots, confine_path
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from rollout_service.bounds import check_generate
@@ -47,6 +40,8 @@ from rollout_service.types import (
     StaleVersion,
     Unavailable,
 )
+from serving.bind import refuse_open_bind
+from serving.grpc_server import add_server_port, grpc_server_options, server_interceptors
 
 log = logging.getLogger("rollout_service")
 
@@ -150,6 +145,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             swap_mode=self.settings.swap_mode,
             lease_timeout_s=self.settings.lease_timeout_s,
             drain_timeout_s=self.settings.drain_timeout_s or None,
+            transfer_timeout_s=self.settings.transfer_timeout_s,
         )
         await self.set_serving(True)
 
@@ -257,6 +253,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 logprobs_mode=str(eng.get("logprobs_mode", "")), kv_cache_gib=float(eng.get("kv_cache_gib", 0)),
                 device=str(eng.get("device", "")), vllm_version=str(eng.get("vllm_version", "")),
                 engine_mode=str(eng.get("engine_mode", "")),
+                weight_transfer_backend=str(eng.get("weight_transfer_backend", "")),
+                weight_transfer_workers=int(eng.get("weight_transfer_workers", 0)),
             ),
             counters=pb.Counters(**info["counters"]),
             vocab_size=info["vocab_size"],
@@ -264,6 +262,91 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             lease_run_id=info["lease"][0],
             lease_expires_in_s=info["lease"][1],
         )
+
+
+    # ----------------------------------------------------------- weight transfer (rollout_service/transfer.py)
+    async def InitWeightTransfer(
+        self, request: pb.InitWeightTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InitWeightTransferResponse:
+        try:
+            engine = self._ready()
+            backend = engine.transfer.backend_name
+            if request.backend != backend:
+                raise InvalidArgument(f"backend must be this service's weight-transfer backend {backend!r}, got "
+                                      f"{request.backend!r}")
+            info: dict[str, Any] = {"master_address": request.master_address, "master_port": request.master_port,
+                                    "rank_offset": request.rank_offset, "world_size": request.world_size}
+            if backend == "nccl":
+                info["packed"] = request.packed
+                if request.packed_buffer_size_bytes:
+                    info["packed_buffer_size_bytes"] = request.packed_buffer_size_bytes
+                if request.packed_num_buffers:
+                    info["packed_num_buffers"] = request.packed_num_buffers
+            await engine.transfer.init(request.run_id, info)
+            return pb.InitWeightTransferResponse()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await context.abort(*_status(e))
+
+    async def StartWeightUpdate(
+        self, request: pb.StartWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StartWeightUpdateResponse:
+        try:
+            await self._ready().transfer.start(request.run_id, request.target_version)
+            return pb.StartWeightUpdateResponse()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await context.abort(*_status(e))
+
+    async def UpdateWeightChunk(
+        self, request: pb.UpdateWeightChunkRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightChunkResponse:
+        try:
+            following = {"names": list(request.next_names), "dtype_names": list(request.next_dtype_names),
+                         "shapes": [list(x.dims) for x in request.next_shapes]} if request.next_names else None
+            await self._ready().transfer.chunk(request.run_id, request.target_version, list(request.names),
+                                               list(request.dtype_names), [list(x.dims) for x in request.shapes],
+                                               following)
+            return pb.UpdateWeightChunkResponse()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await context.abort(*_status(e))
+
+    async def FinishWeightUpdate(
+        self, request: pb.FinishWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FinishWeightUpdateResponse:
+        try:
+            apply_s = await self._ready().transfer.finish(request.run_id, request.target_version)
+            return pb.FinishWeightUpdateResponse(version=request.target_version, apply_s=apply_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await context.abort(*_status(e))
+
+    async def AbortWeightUpdate(
+        self, request: pb.AbortWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortWeightUpdateResponse:
+        try:
+            aborted = await self._ready().transfer.abort(request.run_id, request.target_version)
+            return pb.AbortWeightUpdateResponse(aborted=aborted)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await context.abort(*_status(e))
+
+    async def ShutdownWeightTransfer(
+        self, request: pb.ShutdownWeightTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ShutdownWeightTransferResponse:
+        try:
+            await self._ready().transfer.shutdown(request.run_id)
+            return pb.ShutdownWeightTransferResponse()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await context.abort(*_status(e))
 
 
 def build_server(settings: RolloutSettings) -> tuple[grpc.aio.Server, RolloutServicer, HealthServicer, int]:

@@ -2,7 +2,8 @@
 # Set up (or reuse) the venv, then run the whole loop on the embedded default (the committed tiny model in
 # forkrl/models/default; nothing is built): start the three services, train with --entropy-top-frac 0.2, probe two
 # checkpoints, print before/after numbers (the gain with a bootstrap 95% interval over eval prompts) and grad norms
-# by entropy bin, write the training curve PNG, stop everything.
+# by entropy bin, write the training curve PNG, stop everything, and print the path of the run's HTML report
+# (<run dir>/report.html: open it in a browser).
 #
 #   bash scripts/demo.sh                      # defaults: countdown, 200 steps, ~5-7 min after setup on 2 cores
 #   bash scripts/demo.sh --seed 1             # another seed (data order, sampling, eval prompts)

@@ -299,14 +299,13 @@ class Engine:
     max_num_seqs: int = 256  # the rollout service's default
     max_num_batched_tokens: int = 2048  # vLLM's default for AsyncLLM with chunked prefill
     eager: bool = True  # the rollout service's enforce_eager default
-    shadow_copy: bool = False  # the staged swap's second copy of the weights (stage_weights)
 
 
 def engine_terms(s: Shape, run: Run, e: Engine) -> tuple[list[tuple[str, float]], float, int]:
     """(name, bytes) per GPU of one replica, the KV cache left for it, and how many max-length sequences fit."""
     tp, seq = e.tp, run.prompt_tokens + run.max_new_tokens
     w = 2 * s.params / tp
-    t = [("bf16 weights (/ TP)", w)] + ([("staged swap: second copy of the weights", w)] if e.shadow_copy else [])
+    t = [("bf16 weights (/ TP)", w)]
     acts = e.max_num_batched_tokens * (3 * s.inter + s.q + 2 * s.kv) * 2 / tp + e.max_num_batched_tokens * 4 * s.hidden
     t += [("activations: max_num_batched_tokens through a layer", acts),
           ("sampler: fp32 logits, log-probs, probs of max_num_seqs rows", 3 * e.max_num_seqs * s.vocab * 4),
@@ -351,8 +350,7 @@ def _largest(s: Shape, run: Run, tr: Trainer) -> str:
     return f"{n.split(': ')[-1]}: {_gib(b)} GiB"
 
 
-def layouts_table(models: list[str], run: Run, gpus: list[str], max_ranks: int, min_seqs: int,
-                  shadow: bool = False) -> str:
+def layouts_table(models: list[str], run: Run, gpus: list[str], max_ranks: int, min_seqs: int) -> str:
     ckpt = "on" if run.activation_checkpointing else "off"
     lines = ["| model | params | GPU | rollout GPUs: TP (max-length seqs in its KV cache) | trainer as coded "
              f"(activation checkpointing {ckpt}, reduce-scatter every micro-batch): ranks (GiB/rank) | " +
@@ -361,7 +359,7 @@ def layouts_table(models: list[str], run: Run, gpus: list[str], max_ranks: int, 
     for m in models:
         s = load_shape(m)
         for g in gpus:
-            eng = smallest_tp(s, run, Engine(gpu=GPUS[g], shadow_copy=shadow), min_seqs)
+            eng = smallest_tp(s, run, Engine(gpu=GPUS[g]), min_seqs)
             cells, lay = [], "-"
             for label, variant in VARIANTS.items():
                 tr = Trainer(**variant)
@@ -425,7 +423,6 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the recipe's activation_checkpointing)")
     p.add_argument("--grad-sync", choices=["every", "last"], default="every", help="with --ranks: train_step's "
                    "grad_sync (default every: gradients reduce-scattered after every micro-batch)")
-    p.add_argument("--shadow-copy", action="store_true", help="count the staged swap's second copy of the weights")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="with --ranks: cpu = fp32, no "
                    "runtime, fragmentation or device copies (what bench/bench_memory.py measures)")
     p.add_argument("--max-ranks", type=int, default=1024, help="the most trainer ranks the search tries")
@@ -445,9 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         for g in gpus:
             print(f"\n{g} GB GPU ({GPUS[g] / GIB:.1f} GiB); trainer: activation checkpointing {ckpt}, "
                   f"gradient sync {tr.grad_sync}\n")
-            print(terms_table(models, run, tr, Engine(tp=a.rollout_tp, gpu=GPUS[g], shadow_copy=a.shadow_copy)))
+            print(terms_table(models, run, tr, Engine(tp=a.rollout_tp, gpu=GPUS[g])))
         return 0
-    print(layouts_table(models, run, gpus, a.max_ranks, a.min_seqs, a.shadow_copy))
+    print(layouts_table(models, run, gpus, a.max_ranks, a.min_seqs))
     if not a.model:
         print("\nthe seed's layout:\n")
         print(layout_check("qwen2.5-1.5b", run, gpus, tp=1, ranks=4))

@@ -14,6 +14,10 @@
 # included when CI=true or FORKRL_DOCKER_TESTS=1 (root; ~4 min warm, ~8 min cold). In CI the Docker engine
 # and docker-compose are installed first when missing, and the test fails (does not skip) when Docker
 # still cannot run. FORKRL_DOCKER_TESTS=0 leaves it out, also in CI.
+# The browser test of the HTML reports (tests/trainer/test_report_browser.py) drives Debian's Chromium through
+# Playwright (the `playwright` Python package; never its own browser download). In CI (as root) Chromium is
+# installed from the OS packages when missing, and the test fails (does not skip) when it still cannot run;
+# elsewhere it skips without /usr/bin/chromium (FORKRL_CHROMIUM names another binary).
 # FORKRL_SKIP_SETUP=1 uses the venv as it is (no install step), e.g. a venv shared with other checkouts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +27,12 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 [ -t 1 ] || export TQDM_MININTERVAL=${TQDM_MININTERVAL:-10}  # CI logs: a progress line every 10 s, not 10 a second
 
 "$VENV/bin/ruff" check --quiet . || { echo "[test] ruff found problems (see above)"; exit 1; }
+
+if [ "${CI:-}" = true ] && [ "$(id -u)" = 0 ] && ! [ -x "${FORKRL_CHROMIUM:-/usr/bin/chromium}" ]; then
+  echo "[test] installing chromium for the browser test of the reports"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+    >/tmp/forkrl-apt-chromium.log 2>&1 || echo "[test] apt-get failed (see /tmp/forkrl-apt-chromium.log); the browser test will fail"
+fi
 
 markers=()
 if [ "${FORKRL_DOCKER_TESTS:-}" = 1 ] || { [ "${CI:-}" = true ] && [ "${FORKRL_DOCKER_TESTS:-}" != 0 ]; }; then

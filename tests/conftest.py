@@ -5,8 +5,11 @@ The suite's bearer token is set here, for every service and client the tests sta
 Markers (registered in pyproject.toml): slow, docker, isolated.
 """
 
+import atexit
 import os
 import secrets
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,10 @@ os.environ.pop("FORKRL_TOKEN_FILE", None)
 # TLS is off unless a test turns it on (tests/security/test_tls.py): an operator's settings must not leak in.
 for _var in ("FORKRL_TLS_CA", "FORKRL_TLS_CERT", "FORKRL_TLS_KEY", "FORKRL_TLS_SERVER_NAME"):
     os.environ.pop(_var, None)
+# The normalized tables of the datasets the tests read (forkrl/data/datasets.py) go to a cache of this session,
+# shared with the services it starts, and removed at the end: nothing piles up in ~/.cache.
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="forkrl-test-datasets-")
+atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], True)
 
 
 @pytest.fixture(scope="session")

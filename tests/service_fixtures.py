@@ -36,7 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,7 +170,7 @@ def wait_for_health(address: str, timeout_s: float, proc: subprocess.Popen | Non
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from forkrl.security import grpc_channel
+    from forkrl.remote.channel import grpc_channel
 
     deadline = time.monotonic() + timeout_s
     with grpc_channel(address, token="", ca_file=ca_file) as channel:
@@ -332,3 +332,45 @@ def start_trainer_service(
 
     return _service(cmd, "trainer", log_path, env, startup_timeout_s, grace_s=60.0, ready=ready,
                     expect_clean_stop=expect_clean_stop)
+
+
+@contextlib.contextmanager
+def start_probe_service(root: Path, jobs: Path, log: Path, **settings: object) -> Iterator[Any]:
+    """`python -m probe_service` (a real process, under uvicorn) reading `root`, jobs in `jobs`, one torch thread,
+    on the CPU; `settings` become flags (max_concurrent_jobs=2 -> --max-concurrent-jobs 2). Yields an
+    httpx.Client on it carrying the suite's token, with the Popen as `.process`; the process group is killed at
+    the end."""
+    import httpx
+
+    from forkrl.remote.channel import http_headers
+
+    flags = _flags({"threads": 1, "device": "cpu", "log_level": "warning", **settings})
+    for _ in range(5):  # free_port is racy: another process may take the port before uvicorn binds it
+        port = free_port()
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "probe_service", "--port", str(port), "--allowed-roots", str(root),
+                 "--jobs-dir", str(jobs), *flags],
+                cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, headers=http_headers())
+
+        def up(proc: subprocess.Popen = proc, client: httpx.Client = client) -> bool:
+            if proc.poll() is not None:
+                return True
+            with contextlib.suppress(httpx.HTTPError):
+                return client.get("/healthz").status_code == 200
+            return False
+
+        wait_until(up, 120, "the probe service to answer /healthz", every_s=0.1)
+        if proc.poll() is None:
+            break
+        client.close()
+    else:
+        raise RuntimeError(f"the probe service did not start; log:\n{log.read_text()[-3000:]}")
+    client.process = proc  # type: ignore[attr-defined]
+    try:
+        yield client
+    finally:
+        client.close()
+        kill_group(proc, 10)

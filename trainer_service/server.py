@@ -16,9 +16,10 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
 from forkrl.cli import describe_validation_error
-from forkrl.security import add_server_port, grpc_server_options, refuse_open_bind, server_interceptors
 from forkrl.training.config import RunConfig, from_proto, shown, to_proto
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from serving.bind import refuse_open_bind
+from serving.grpc_server import add_server_port, grpc_server_options, server_interceptors
 from trainer_service.config import TrainerSettings
 from trainer_service.runs import Run, RunConflict, RunManager, UnknownRun
 

@@ -22,12 +22,8 @@ from __future__ import annotations
 import random
 import re
 from collections import Counter
-from typing import TYPE_CHECKING
 
-from forkrl.data.problem import Problem, TaskSpec
-
-if TYPE_CHECKING:
-    from forkrl.data.rewards import RewardResult
+from forkrl.data.problem import Problem, RewardResult, TaskSpec
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _STEP_RE = re.compile(r"(0|[1-9]\d*)([+\-*])(0|[1-9]\d*)=(0|[1-9]\d*)")
@@ -98,8 +94,6 @@ def problem_numbers(problem: Problem) -> tuple[list[int], int] | None:
 def countdown_reward(completions: list[str], problems: list[Problem]) -> RewardResult:
     """1.0 for a correct solution, else 0.0; None when the problem is not a countdown problem. Counters: the
     count of each failing outcome (malformed, unavailable_number, wrong_arithmetic, wrong_target)."""
-    from forkrl.data.rewards import RewardResult  # rewards imports this module
-
     if len(completions) != len(problems):
         raise ValueError(f"got {len(completions)} completions for {len(problems)} problems; they must pair")
     rewards: list[float | None] = []

@@ -1,6 +1,7 @@
-"""The two types every task shares: a Problem (prompt, gold answer, extras) and a TaskSpec (how a built-in
-task samples problems, how long its answers are, and how its answer tokens are classed).
-`forkrl.data.tasks` re-exports both; task modules import them from here (no import cycle)."""
+"""The types every task and reward shares: a Problem (prompt, gold answer, extras), a TaskSpec (how a built-in
+task samples problems, how long its answers are, and how its answer tokens are classed) and a RewardResult (what
+a reward function returns). The other modules of forkrl/data import them from here, so forkrl/data has no import
+cycle (tests/unit/test_layout.py checks it)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,20 @@ class TaskSpec:
     # one class (TOKEN_CLASSES) per character of a completion (without EOS), for any text the model writes
     label_chars: Callable[[Problem, str], list[str]] | None = None
     classes: tuple[str, ...] = ()  # the classes label_chars can give, plus "eos": the breakdown's rows
+
+
+@dataclass
+class RewardResult:
+    """What a reward function returns (forkrl/data/rewards.py): one reward per completion (None: skip the sample,
+    e.g. an ungradable gold answer) and integer counters the trainer logs as they are (e.g. `timeouts`)."""
+
+    rewards: list[float | None]
+    counters: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def timeouts(self) -> int:
+        return self.counters.get("timeouts", 0)
+
+
+RewardFn = Callable[[list[str], list[Problem]], RewardResult]
+"""A reward function: (completions, their problems) -> RewardResult."""

@@ -18,12 +18,12 @@ Built in:
   the built-in tasks `sum3` and `add2`.
 - `countdown`: 1.0 for any valid solution of a countdown problem (forkrl/data/countdown.py: each step's
   arithmetic right, each number used at most once, the target reached), else 0.0.
-- `math_verify_reward`: the last `\\boxed{...}` of the completion (braces matched), checked against the
-  gold answer with math-verify, gold first (`verify` is not symmetric). Gold without `$` or `\\boxed`
-  is read as inline math ("1+x" as "$1+x$"); gold that math-verify cannot parse gives None. Grading
-  runs in a process pool: math-verify times out with SIGALRM, which works only in a main thread, and
-  sympy can hang. An item past `timeout_s` scores 0 and is counted; the pool is then replaced, so a
-  hung worker never blocks training.
+- `math_verify_reward`: the last `\\boxed{...}` of the completion (braces matched; under the prompt format
+  dapo, the last "Answer:" line instead: forkrl/data/prompts.py), checked against the gold answer with
+  math-verify, gold first (`verify` is not symmetric). Gold without `$` or `\\boxed` is read as inline math
+  ("1+x" as "$1+x$"); gold that math-verify cannot parse gives None. Grading runs in a process pool:
+  math-verify times out with SIGALRM, which works only in a main thread, and sympy can hang. An item past
+  `timeout_s` scores 0 and is counted; the pool is then replaced, so a hung worker never blocks training.
 
 `get_reward_fn("exact_match" | "countdown" | "math_verify" | "module:function")` resolves a name.
 """
@@ -40,26 +40,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from forkrl.data.answers import answer_line, extract_answer, last_boxed_only_string
 from forkrl.data.countdown import countdown_reward
-from forkrl.data.tasks import Problem, extract_answer
+from forkrl.data.problem import Problem, RewardFn, RewardResult
 
 DEFAULT_TIMEOUT_S = 15.0  # math-verify's own alarms are 5 s for parsing and 5 s for verifying
 WARM_UP_TIMEOUT_S = 120  # math-verify's alarms while a new worker warms up (before any item's clock starts)
 
 
-@dataclass
-class RewardResult:
-    rewards: list[float | None]
-    counters: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def timeouts(self) -> int:
-        return self.counters.get("timeouts", 0)
-
-
-RewardFn = Callable[[list[str], list[Problem]], RewardResult]
 
 
 def _check_lengths(completions: list[str], problems: list[Problem]) -> None:
@@ -76,41 +65,6 @@ def exact_match(completions: list[str], problems: list[Problem]) -> RewardResult
         no_answer += pred is None
         rewards.append(1.0 if pred is not None and pred == problem.answer.strip() else 0.0)
     return RewardResult(rewards, {"no_answer": no_answer})
-
-
-def last_boxed_only_string(text: str) -> str | None:
-    """The last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces matched, including the command; the
-    `\\boxed 5` form without braces runs to the next `$` or whitespace. None when there is none or its
-    braces do not close."""
-    idx = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if idx < 0:
-        return None
-    command = "\\boxed" if text.startswith("\\boxed", idx) else "\\fbox"
-    rest = text[idx + len(command) :]
-    if rest.startswith(" "):
-        value = rest.lstrip(" ").split("$", 1)[0].split()
-        return f"{command} {value[0]}" if value else None
-    if not rest.startswith("{"):
-        return None
-    depth = 0
-    for i, ch in enumerate(rest):
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return command + rest[: i + 1]
-    return None
-
-
-def remove_boxed(boxed: str) -> str:
-    """`\\boxed{x}` -> `x` (also `\\fbox{x}` and `\\boxed x`)."""
-    for command in ("\\boxed", "\\fbox"):
-        if boxed.startswith(command + "{") and boxed.endswith("}"):
-            return boxed[len(command) + 1 : -1]
-        if boxed.startswith(command + " "):
-            return boxed[len(command) + 1 :]
-    raise ValueError(f"not a boxed expression: {boxed!r}")
 
 
 # ---- math-verify, in worker processes ------------------------------------------------------------
@@ -158,6 +112,10 @@ def _warm_worker(grade_module: str, warm_math_verify: bool) -> None:
     verify(parse("$\\frac{1}{2}$", parsing_timeout=WARM_UP_TIMEOUT_S),
            parse("\\boxed{0.5}", extraction_config=[config], parsing_timeout=WARM_UP_TIMEOUT_S),
            timeout_seconds=WARM_UP_TIMEOUT_S)
+
+    from forkrl.runtime import die_with
+
+    die_with(os.getppid())  # a pool worker ends with the trainer, also when that was SIGKILLed
 
 
 def _ready(delay_s: float) -> int:
@@ -293,10 +251,24 @@ def _grader() -> MathVerifyGrader:
 
 
 def math_verify_reward(
-    completions: list[str], problems: list[Problem], timeout_s: float | None = None
+    completions: list[str], problems: list[Problem], timeout_s: float | None = None, answer: str = "boxed"
 ) -> RewardResult:
+    """`answer`: where the completion's answer is: "boxed" (the last \\boxed{}) or "answer_line" (DAPO's last
+    "Answer: ..." line, forkrl/data/prompts.py: read here, graded as if it were boxed; none scores 0 and is
+    counted as `no_answer_line`)."""
     _check_lengths(completions, problems)
-    return _grader().grade(completions, [p.answer for p in problems], timeout_s=timeout_s)
+    golds = [p.answer for p in problems]
+    if answer == "boxed":
+        return _grader().grade(completions, golds, timeout_s=timeout_s)
+    if answer != "answer_line":
+        raise ValueError(f"answer must be boxed or answer_line, got {answer!r}")
+    lines = [answer_line(c) for c in completions]
+    has = [i for i, v in enumerate(lines) if v is not None]
+    result = _grader().grade([f"\\boxed{{{lines[i]}}}" for i in has], [golds[i] for i in has], timeout_s=timeout_s)
+    rewards: list[float | None] = [0.0] * len(completions)
+    for i, r in zip(has, result.rewards, strict=True):
+        rewards[i] = r
+    return RewardResult(rewards, {**result.counters, "no_answer_line": len(completions) - len(has)})
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {

@@ -32,10 +32,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
-import re
 from collections.abc import Iterator, Sequence
 
 from forkrl.data import countdown
+from forkrl.data.answers import extract_answer
 from forkrl.data.problem import TOKEN_CLASSES, Problem, TaskSpec
 
 __all__ = [
@@ -47,7 +47,6 @@ DEFAULT_TASK = "countdown"
 SPLITS = ("train", "eval")
 EVAL_BUCKETS = 10  # one bucket in ten is the eval split
 
-_ANSWER_RE = re.compile(r"-?\d+")
 
 
 def _operand(rng: random.Random) -> int:
@@ -169,13 +168,6 @@ def make_split(task: str, split: str, n: int, seed: int = 0) -> list[Problem]:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     return list(itertools.islice(iter_problems(task, split, seed), n))
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer in a completion: the integer after the last "=" (or the whole text when there is
-    no "="), surrounding whitespace ignored. Anything else, including an empty answer, gives None."""
-    tail = text.rsplit("=", 1)[-1].strip()
-    return tail if _ANSWER_RE.fullmatch(tail) else None
 
 
 def token_classes(problem: Problem, token_texts: Sequence[str | None]) -> list[str] | None:

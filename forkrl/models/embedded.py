@@ -1,6 +1,6 @@
 """The committed embedded default: the tiny model's files, tracked in git, the same bytes on every machine.
 
-    forkrl/models/default/        config.json, model.safetensors (~2 MB), tokenizer files, generation_config.json,
+    forkrl/models/default/        config.json, model.safetensors, tokenizer files, generation_config.json,
                                   forkrl_build.json (the build record) and SHA256SUMS (this manifest)
 
 The builder (`python -m forkrl.models.tiny build`) is deterministic only on one machine: CPU float kernels

@@ -10,8 +10,9 @@ Every job flag is a field of `forkrl.probe.params.ProbeParams` (the HTTP body of
 kebab-case; the older names (--group-size, --layers, --row-specs) are accepted as aliases. The prompts come
 from --dataset, else --task, else $RL_DATASET_PATH, else the default task. Only the flags are read (no other
 environment variable), so a stray DATASET=... in the shell changes nothing. Writes summary.json,
-token_probe_records.jsonl, manifest.json and one plot per checkpoint into --output-dir; exit status 0 on
-success, 2 on a bad flag or input (missing step, path, task), 1 when the job itself fails.
+token_probe_records.jsonl, manifest.json and one plot per checkpoint into --output-dir (with --report also the
+job's HTML page, report.html); exit status 0 on success, 2 on a bad flag or input (missing step, path, task),
+1 when the job itself fails.
 
 Caveat: per-token log-prob gradients under teacher forcing, not a token's exact contribution to the trainer's
 aggregated DAPO/GRPO objective (`forkrl.probe.params.CAVEAT`, also in summary.json).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -47,6 +49,9 @@ class ProbeCliSettings(CliSettings, ProbeParams):
     """torch CPU threads; 0 = torch's default."""
     progress: bool = True
     """A progress bar on stderr (--no-progress: none)."""
+    report: bool = False
+    """Also write report.html into --output-dir: the job as one self-contained HTML page to open in a browser
+    (grad norm by entropy bin x correctness, the overlap, the caveat, example tokens in context; forkrl/report)."""
 
     @classmethod
     def settings_customise_sources(
@@ -106,6 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {out}/{SUMMARY} ({len(summary['results'])} results), {out}/{RECORDS} "
           f"({summary['n_records']} records), {out}/{MANIFEST}")  # fmt: skip
     print(f"caveat: {summary['caveat']}")
+    if settings.report:
+        from forkrl.report.probe_page import write_probe_report
+
+        print(f"wrote {write_probe_report(Path(out))} (open it in a browser)")
     return 0
 
 

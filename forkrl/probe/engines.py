@@ -2,19 +2,25 @@
 a running rollout service. Only the sampling moves; entropy and gradients stay teacher-forced in the trainer's
 fp32 math (`forkrl.probe.sampling.token_stats`, `forkrl.probe.gradients`).
 
-    ids = encode_prompts(tok, [p.prompt for p in problems], chat_template=False)
+    ids = encode_prompts(tok, problems, "raw")    # the prompt format: forkrl/data/prompts.py
     trajs = sample_with_vllm(ckpt_dir, ids, group_size=2, temperature=1.0, max_new_tokens=512, seed=0,
                              eos_ids=[2])                           # in-process vllm.LLM, float32
     trajs = sample_with_rollout("127.0.0.1:50051", ids, group_size=2, ...)   # a running rollout service
 
 - "transformers": `forkrl.models.sampling.sample_tokens` (one private torch.Generator per job; batches hold
   prompts of one token length, so mixed lengths run as several batches).
-- "vllm": `vllm.LLM` on the checkpoint dir in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set:
-  2-3 s start instead of 15 s; it seeds the process's global RNG, which the probe never uses), float32,
-  eager, the CPU settings of `forkrl.runtime.apply_runtime_env` and of the rollout service (no chunked
-  prefill on CPU). Prompts of any length go in one call (vLLM schedules them together). Sample g of prompt i
-  is seeded with `sample_seed(seed, i, g)`, as in the rollout service, so the two vLLM paths draw alike.
-  The engine is built per checkpoint and dropped after sampling.
+- "vllm": `vllm.LLM` on the checkpoint dir in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set: no
+  engine-core process to start, a much faster start; it seeds the process's global RNG, which the probe never
+  uses), float32, eager, the CPU settings of `forkrl.runtime.apply_runtime_env` and of the rollout service (no
+  chunked prefill on CPU). Prompts of any length go in one call (vLLM schedules them together). Sample g of prompt
+  i is seeded with `sample_seed(seed, i, g)`, as in the rollout service, so the two vLLM paths draw alike. The
+  engine is built per checkpoint and dropped after sampling. One engine at a time per process (a lock): an
+  in-process engine sets vLLM's process-global model-parallel groups, so a second one built while the first
+  lives fails; the probe service's concurrent jobs take turns for the sampling and run the rest side by side.
+  Its memory: the weights plus a KV cache of VLLM_CPU_KVCACHE_SPACE GiB (1 unless set), freed with the engine.
+  Its threads: vLLM's CPU worker replaces `torch.set_num_threads` process-wide with a no-op; the original is
+  put back (and the thread count, if it moved) when the engine is dropped, so the process keeps control of
+  its threads for what follows (the gradients, the service's next jobs).
 - "rollout": `RolloutClient.generate` against a running rollout service. The service serves ONE model:
   this is only valid when the probed checkpoint is the model it serves (the job therefore takes exactly
   one checkpoint; nothing here can verify the weights are the same).
@@ -29,14 +35,20 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
+from forkrl.data.prompts import PromptEncoder
+from forkrl.data.tasks import Problem
 from forkrl.models.sampling import trim_at_eos
 from forkrl.probe.sampling import Trajectory
 from forkrl.seeds import sample_seed
 
 __all__ = ["encode_prompts", "resolve_sampler", "sample_with_rollout", "sample_with_vllm", "vllm_importable"]
+
+_ENGINE_LOCK = threading.Lock()  # one in-process vLLM engine at a time in this process (module docstring)
 
 
 def vllm_importable() -> bool:
@@ -50,19 +62,14 @@ def resolve_sampler(name: str) -> str:
     return name
 
 
-def encode_prompts(tok, prompts: Sequence[str], *, chat_template: bool) -> list[list[int]]:
-    """Token ids of each prompt: the plain encoding (with the tokenizer's special tokens, as training does),
-    or with `chat_template` the prompt as one user message through tok.apply_chat_template with the
-    generation prompt added (the template's text is encoded without extra special tokens)."""
-    if not chat_template:
-        return [list(tok(p)["input_ids"]) for p in prompts]
-    if not getattr(tok, "chat_template", None):
-        raise ValueError("chat_template: the checkpoint's tokenizer has no chat template")
-    out = []
-    for p in prompts:
-        text = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        out.append(list(tok(text, add_special_tokens=False)["input_ids"]))
-    return out
+def encode_prompts(tok, prompts: Sequence[str | Problem], prompt_format: str = "raw", system_prompt: str = "", *,
+                   chat_template: bool = False) -> list[list[int]]:
+    """Token ids of each prompt (a text or a Problem) in a prompt format, exactly as training encodes them
+    (forkrl.data.prompts.PromptEncoder): raw = the plain encoding with the tokenizer's special tokens; chat =
+    the prompt as one user message (or a problem's own messages) through the chat template with the generation
+    prompt added. `chat_template=True` is the older spelling of prompt_format "chat"."""
+    enc = PromptEncoder(tok, "chat" if chat_template else prompt_format, system_prompt)
+    return enc.encode([p if isinstance(p, Problem) else Problem(p, "") for p in prompts])
 
 
 def _rows(prompt_ids: Sequence[Sequence[int]], group_size: int) -> list[tuple[int, int, list[int]]]:
@@ -95,6 +102,7 @@ def sample_with_vllm(
     max_new_tokens: int,
     seed: int,
     eos_ids: Iterable[int],
+    top_p: float = 1.0,
     ignore_eos: bool = False,
     check: Callable[[], None] | None = None,
     notes: list[str] | None = None,
@@ -102,16 +110,7 @@ def sample_with_vllm(
 ) -> list[Trajectory]:
     """`group_size` samples per prompt from an in-process float32 vLLM engine on `model_dir`, prompt-major.
     `ignore_eos` (benchmarks): every response runs to max_new_tokens. `timings` gets the seconds of
-    "engine_start" and "generate"."""
-    import time
-
-    from forkrl.runtime import apply_runtime_env
-
-    apply_runtime_env()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
-    from vllm.platforms import current_platform
-
+    "engine_start" and "generate". Waits for the process's engine lock (checking `check` meanwhile)."""
     eos = sorted({int(e) for e in eos_ids})
     rows = _rows(prompt_ids, group_size)
     if not rows:
@@ -124,40 +123,70 @@ def sample_with_vllm(
             notes.append(f"vllm sampler: prompt + max_new_tokens ({max_len}) exceeds the model's "
                          f"max_position_embeddings ({limit}); responses are cut at {limit} positions")  # fmt: skip
         max_len = limit
-    if check is not None:
-        check()
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=str(model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=max_len,
-        seed=seed,
-        skip_tokenizer_init=True,  # token ids in and out: checkpoints saved without a tokenizer work too
-        enable_chunked_prefill=False if current_platform.is_cpu() else None,  # see rollout_service/vllm_backend
-        kv_cache_memory_bytes=int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * (1 << 30)),
-        disable_log_stats=True,
-        trust_remote_code=False,
-    )
-    t1 = time.perf_counter()
+    while not _ENGINE_LOCK.acquire(timeout=1.0):  # another job's engine is sampling
+        if check is not None:
+            check()
     try:
+        if check is not None:
+            check()
+        params = dict(temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
+        tokens = _generate(Path(model_dir), rows, eos, max_len, max_new_tokens, params, timings)
+    finally:
+        _ENGINE_LOCK.release()
+    return _trajectories(rows, tokens, [] if ignore_eos else eos)
+
+
+def _generate(model_dir: Path, rows: list[tuple[int, int, list[int]]], eos: list[int], max_len: int,
+              max_new_tokens: int, sampling: dict[str, Any], timings: dict[str, float] | None) -> list[list[int]]:
+    """Under the engine lock: build the engine, sample every row, drop the engine, give torch its threads back."""
+    import time
+
+    import torch
+
+    from forkrl.runtime import apply_runtime_env
+
+    apply_runtime_env()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
+
+    set_num_threads, n_threads = torch.set_num_threads, torch.get_num_threads()
+    llm = None
+    try:
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=str(model_dir),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=max_len,
+            seed=sampling["seed"],
+            skip_tokenizer_init=True,  # token ids in and out: checkpoints saved without a tokenizer work too
+            enable_chunked_prefill=False if current_platform.is_cpu() else None,  # see rollout_service/vllm_backend
+            kv_cache_memory_bytes=int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * (1 << 30)),
+            disable_log_stats=True,
+            trust_remote_code=False,
+        )
+        t1 = time.perf_counter()
+        ignore_eos = sampling["ignore_eos"]
         params = [
             SamplingParams(
-                n=1, temperature=temperature, top_p=1.0, top_k=-1, seed=sample_seed(seed, i, g),
-                max_tokens=max(1, min(max_new_tokens, max_len - len(ids))), detokenize=False,
-                stop_token_ids=None if ignore_eos else eos, ignore_eos=ignore_eos,
+                n=1, temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=-1,
+                seed=sample_seed(sampling["seed"], i, g), max_tokens=max(1, min(max_new_tokens, max_len - len(ids))),
+                detokenize=False, stop_token_ids=None if ignore_eos else eos, ignore_eos=ignore_eos,
             )  # fmt: skip
             for i, g, ids in rows
         ]
-        prompts = [{"prompt_token_ids": ids} for _, _, ids in rows]
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": ids} for _, _, ids in rows], params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         if timings is not None:
             timings.update(engine_start=t1 - t0, generate=time.perf_counter() - t1)
+        return tokens
     finally:
         del llm
         gc.collect()
-    return _trajectories(rows, tokens, [] if ignore_eos else eos)
+        torch.set_num_threads = set_num_threads  # vLLM's CPU worker made it a no-op, process-wide
+        if torch.get_num_threads() != n_threads:
+            set_num_threads(n_threads)
 
 
 def sample_with_rollout(
@@ -169,11 +198,12 @@ def sample_with_rollout(
     max_new_tokens: int,
     seed: int,
     eos_ids: Iterable[int],
+    top_p: float = 1.0,
     timeout_s: float = 3600.0,
 ) -> list[Trajectory]:
     """`group_size` samples per prompt from a running rollout service (whose model must be the probed
     checkpoint), prompt-major; the service seeds sample g of prompt i with sample_seed(seed, i, g)."""
-    from forkrl.clients.rollout import RolloutClient
+    from forkrl.remote.rollout import RolloutClient
 
     eos = sorted({int(e) for e in eos_ids})
     rows = _rows(prompt_ids, group_size)
@@ -181,7 +211,7 @@ def sample_with_rollout(
     with RolloutClient(address, timeout_s=timeout_s) as client:
         client.wait_ready(timeout_s=min(timeout_s, 300.0))
         for t in client.generate([list(p) for p in prompt_ids], n=group_size, temperature=temperature,
-                                 max_new_tokens=max_new_tokens, seed=seed):  # fmt: skip
+                                 top_p=top_p, max_new_tokens=max_new_tokens, seed=seed):  # fmt: skip
             got[(int(t.prompt_index), int(t.sample_index))] = list(t.completion_token_ids)
     missing = [(i, g) for i, g, _ in rows if (i, g) not in got]
     if missing:

@@ -6,7 +6,7 @@ For a Linear applied at every position, y_p = W x_p, the gradient of one target 
 
 a sum over all earlier positions, because attention mixes positions downstream of y. So the cheap
 "outer-product" shortcut g_t x_t^T from one summed backward is wrong for k_proj/v_proj and for every
-module of a non-final block (§4.2 table; relative error ~1 and ~0.24 in verify_probe.py).
+module of a non-final block (§4.2 table; verify_probe.py measures the error: docs/results.md).
 
 The exact method (§4.2, `method="vmap"`): one forward per trajectory, cut after its last selected token,
 with forward hooks that keep X (inputs) and Y (outputs) of each target Linear; then, for its K selected
@@ -18,7 +18,7 @@ positions at once (chunks of `chunk_size`),
 `is_grads_batched` vmaps the backward; if an attention kernel has no batching rule we fall back to a loop
 of K backwards with `retain_graph=True` (still exact). Load models with `attn_implementation="eager"`.
 Trajectories are not stacked into one padded batch for this: each cotangent is non-zero in one batch row
-only, so a B-row batch would do B times the backward work (measured 2x slower than one row at a time).
+only, so a B-row batch would do B times the backward work (slower than one row at a time: docs/results.md).
 
 `method="replicate"` is the vmap-free alternative: one row per position (the trajectory cut after that
 token), a chunk of rows in one forward and one ordinary backward of sum_k logp_k. The rows are independent,

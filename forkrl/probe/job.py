@@ -76,6 +76,8 @@ class ProbePlan:
 def plan_probe(params: ProbeParams, confine: Confine = real_path) -> ProbePlan:
     """Resolve the checkpoints, the prompts' source and the reward; every path through `confine` first."""
     from forkrl.data import tasks
+    from forkrl.data.datasets import Fields, check_dataset
+    from forkrl.data.prompts import check_prompt_format, check_reward_format
     from forkrl.data.rewards import get_reward_fn
 
     refs = resolve_checkpoints(params, confine)
@@ -90,12 +92,18 @@ def plan_probe(params: ProbeParams, confine: Confine = real_path) -> ProbePlan:
     elif not task:  # as training: $RL_DATASET_PATH (the operator's, not confined), else the default task
         dataset = os.environ.get("RL_DATASET_PATH", "")
         task = "" if dataset else tasks.DEFAULT_TASK
-    if dataset and not Path(dataset.replace("{split}", params.split)).is_file():
-        raise ProbeInputError(f"dataset {dataset} is not a file")
+    if dataset and not Path(dataset.replace("{split}", params.split)).exists():
+        raise ProbeInputError(f"dataset {dataset} does not exist")
     try:
         max_new = params.max_new_tokens or (tasks.get_task(task).max_new_tokens if task else DATASET_MAX_NEW_TOKENS)
         reward = resolve_reward_name(params.reward, dataset, task)
         get_reward_fn(reward)
+        check_reward_format(reward, params.prompt_format)
+        if dataset:  # every row of the split read and checked before any model is loaded
+            check_dataset(dataset, (params.split,), Fields(params.prompt_field, params.answer_field))
+        with_tokenizer = [r.path for r in refs if any(r.path.glob("tokenizer*"))]
+        if with_tokenizer:  # a chat format needs a chat template: say so before any model is loaded
+            check_prompt_format(with_tokenizer[0], params.prompt_format, params.system_prompt)
     except ValueError as exc:  # unknown task or reward: the message names the known ones
         raise ProbeInputError(str(exc)) from exc
     return ProbePlan(params, refs, task, dataset, reward, max_new, _reference(params.freeze_bins_from, refs))
@@ -118,10 +126,12 @@ def _reference(spec: str, refs: list[CheckpointRef]) -> int | None:
 
 def load_problems(plan: ProbePlan) -> list:
     """The job's prompts: the same `num_prompts` problems (by seed) for every checkpoint."""
+    from forkrl.data.datasets import Fields
     from forkrl.data.datasets import load_problems as load
 
     p = plan.params
-    return list(load(plan.task or None, plan.dataset or None, p.split, p.num_prompts, p.seed))
+    fields = Fields(p.prompt_field, p.answer_field)
+    return list(load(plan.task or None, plan.dataset or None, p.split, p.num_prompts, p.seed, fields))
 
 
 def run_probe(
@@ -197,7 +207,7 @@ def run_probe(
             "entropy_bins": p.entropy_bins, "max_positions_per_group": p.max_positions_per_group,
             "max_positions_per_trajectory": p.max_positions_per_trajectory, "seed": p.seed,
             "layer_indices": p.layer_indices, "row_spec": p.row_spec, "row_mode": p.row_mode,
-            "bootstrap": p.bootstrap, "sampler": resolve_sampler(p.sampler), "chat_template": p.chat_template,
+            "bootstrap": p.bootstrap, "sampler": resolve_sampler(p.sampler), "prompt_format": p.prompt_format,
         },
     }  # fmt: skip
     # NaN/inf are written as null (strict JSON): say how many, so a null is never a silent NaN

@@ -3,7 +3,8 @@
     summary.json               per checkpoint: counts, accuracy, entropy, cells; `results`: one entry per
                                checkpoint x entropy bin x correctness x target x row set (§4.3 statistics)
     token_probe_records.jsonl  one line per probed token x parameter x row set (record_grain "row", the seed's)
-                               or per token (record_grain "token"): token, entropy, logp, bin, grad norm(s)
+                               or per token (record_grain "token"): token, its context (the text before
+                               and after it), entropy, logp, bin, grad norm(s)
     manifest.json              the parameters, what they resolved to, weight hashes, versions, timings
     plot_<checkpoint>.png      median row-gradient norm by entropy bin, correct vs incorrect
     entropy_overlap.png        the entropy-pattern overlap across checkpoints (when bins are frozen)

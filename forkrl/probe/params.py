@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from forkrl.data.prompts import PromptFormat, check_format_options
 from forkrl.data.tasks import SPLITS
 
 __all__ = [
@@ -78,7 +79,9 @@ def _alias(*names: str) -> AliasChoices:
 class ProbeParams(BaseModel):
     """One probe job: which checkpoints, how to sample, what to differentiate. Defaults: the seed script's
     (num_prompts 24, num_samples 2, 5 entropy bins, 12 positions per cell, rows start,mid,last, max_new_tokens
-    2048 for a dataset); field names are the seed's flags, the older names are accepted as aliases."""
+    2048 for a dataset) except three, each with its reason in its field (and in docs/probe.md): frozen bin edges
+    (freeze_bins_from), layer_indices 0,-1 clamped to the model's depth (clamp_layers), max_new_tokens of a
+    built-in task. Field names are the seed's flags, the older names are accepted as aliases."""
 
     # list defaults are plain values (pydantic copies them per instance), so /docs and --help show them
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
@@ -99,7 +102,12 @@ class ProbeParams(BaseModel):
     task: str = ""
     """Built-in task; empty = the default task (or $RL_DATASET_PATH)."""
     dataset: str = ""
-    """JSONL dataset of prompts and answers (instead of task); '{split}' in the path is replaced by split."""
+    """Dataset of prompts and answers (instead of task): a JSONL or Parquet file or a `datasets` folder, as in
+    training; '{split}' in the path is replaced by split."""
+    prompt_field: str = Field(default="", max_length=256)
+    """Dataset field of the prompt, dotted for a nested one; empty = auto-detection (as in training)."""
+    answer_field: str = Field(default="", max_length=256)
+    """Dataset field of the gold answer, dotted for a nested one; empty = auto-detection (as in training)."""
     split: Split = "train"
     """Which split the prompts come from."""
     reward: str = ""
@@ -111,20 +119,29 @@ class ProbeParams(BaseModel):
     temperature: float = Field(default=1.0, gt=0, le=10)
     """Sampling temperature; also the T of logp and entropy."""
     max_new_tokens: int = Field(default=0, ge=0, le=32768)
-    """Max response tokens; 0 = the built-in task's limit, 2048 for a dataset (the seed's)."""
+    """Max response tokens; 0 = the built-in task's limit, 2048 for a dataset (the seed's). Differs from the
+    seed's script (2048 always) on a built-in task: its answers take a handful of tokens (countdown 16), and
+    2048 would only let a response that misses its EOS run on, at the cost of time."""
     seed: int = Field(default=0, ge=0, le=2**62)
     """Seed of sampling, tie-breaks, selection, rows."""
     sampler: Sampler = "auto"
     """Who samples the responses: vllm (in-process vLLM on the checkpoint, float32, one seed per sample as in
     the rollout service), transformers (forkrl's KV-cache sampler; batches prompts of equal length only),
     rollout (a running rollout service at rollout_address: it serves ONE model, so the job must probe
-    exactly that checkpoint), auto (vllm when importable, else transformers). Entropy and gradients are
-    always teacher-forced in fp32 by the trainer's math, whichever samples."""
+    exactly that checkpoint), auto (vllm when importable, else transformers: the one rule of the CLI and the
+    service alike, so one body gives one summary through either). Entropy and gradients are always
+    teacher-forced in fp32 by the trainer's math, whichever samples."""
     rollout_address: str = ""
     """host:port of the rollout service (sampler rollout only)."""
+    prompt_format: PromptFormat = "raw"
+    """How a problem becomes the prompt, as in training (forkrl/data/prompts.py): raw, chat (the tokenizer's
+    chat template), dapo / boxed (a math template in the chat template), dapo_plain / boxed_plain; use the
+    run's own."""
+    system_prompt: str = Field(default="", max_length=65536)
+    """System message of the chat formats; empty = none."""
     chat_template: bool = False
-    """Wrap each prompt as one user message with the tokenizer's chat template (generation prompt added),
-    for instruct models; off = the plain prompt text, as in training."""
+    """The older name of prompt_format chat: wrap each prompt as one user message with the tokenizer's chat
+    template (generation prompt added)."""
 
     # ---- bins and positions
     entropy_bins: int = Field(default=5, ge=1, le=100)
@@ -137,7 +154,8 @@ class ProbeParams(BaseModel):
     freeze_bins_from: str = ""
     """Entropy bin edges of every checkpoint are those of this reference checkpoint (its step number or label;
     empty = the first checkpoint probed), so a bin means the same entropy range across checkpoints; 'none' =
-    rank bins per checkpoint (equal counts, edges move)."""
+    rank bins per checkpoint (equal counts, edges move: the seed script's binning, where bin 4 of two
+    checkpoints can hold different entropies, so a change across training mixes the bins' drift in)."""
     exclude_degenerate_groups: bool = False
     """Leave out prompts whose responses are all correct or all wrong (advantage 0)."""
     entropy_at_t1: bool = False
@@ -150,10 +168,11 @@ class ProbeParams(BaseModel):
         default=[0, -1], min_length=1, max_length=256, validation_alias=_alias("layer_indices", "layers")
     )
     """Decoder layers; negative counts from the end (also accepted as layers). The seed used 0,14,27 (first,
-    middle, last of a 28-layer model)."""
+    middle, last of its 28-layer model); the default 0,-1 (first and last) means the same on a model of any
+    depth."""
     clamp_layers: bool = True
-    """A layer index past the model's depth probes its nearest layer (so 0,14,27 runs on any model; the job
-    warns in summary.json); off = such an index is an error."""
+    """A layer index past the model's depth probes its nearest layer (so the seed's 0,14,27 runs on any model,
+    the embedded 2-layer one included; the job warns in summary.json); off = such an index is an error."""
     row_spec: list[RowSpec] = Field(
         default=["start", "mid", "last"], min_length=1, max_length=8, validation_alias=_alias("row_spec", "row_specs")
     )
@@ -213,4 +232,10 @@ class ProbeParams(BaseModel):
             raise ValueError("rollout_address is only used with sampler rollout")
         if self.task and self.dataset:
             raise ValueError("task and dataset are mutually exclusive: give one")
+        if self.chat_template:  # the older flag: the same as prompt_format chat
+            if self.prompt_format not in ("raw", "chat"):
+                raise ValueError(f"chat_template is prompt_format chat; it contradicts prompt_format "
+                                 f"{self.prompt_format!r}: give one")
+            self.prompt_format = "chat"
+        check_format_options(self.prompt_format, self.system_prompt)
         return self

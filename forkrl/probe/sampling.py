@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from forkrl.data.rewards import get_reward_fn
+from forkrl.data.prompts import run_reward_fn
 from forkrl.models.sampling import sample_tokens
 from forkrl.rl.entropy import token_logprobs_and_entropy
 from forkrl.seeds import seeded_generator
@@ -109,8 +109,10 @@ def resolve_reward_name(reward: str, dataset: str, task: str = "") -> str:
     return reward or ("math_verify" if dataset else get_task(task or DEFAULT_TASK).reward)
 
 
-def grade(trajs: Sequence[Trajectory], tokenizer, problems: Sequence, reward: str = "", dataset: str = "") -> None:
-    """Decode each response (EOS and other special tokens dropped) and score it in place.
+def grade(trajs: Sequence[Trajectory], tokenizer, problems: Sequence, reward: str = "", dataset: str = "",
+          prompt_format: str = "raw") -> None:
+    """Decode each response (EOS and other special tokens dropped) and score it in place, with the reward reading
+    the answer where `prompt_format` puts it (forkrl.data.prompts.run_reward_fn, as in training).
 
     correct = reward > 0, which fits both the 1/0 and the +1/-1 conventions; a None reward (ungradable gold
     answer) leaves reward None and correct False, and the probe leaves such a sample out of the cells (and
@@ -120,7 +122,7 @@ def grade(trajs: Sequence[Trajectory], tokenizer, problems: Sequence, reward: st
         t.text = tokenizer.decode(t.response_ids, skip_special_tokens=True)
     texts = [t.text for t in trajs]
     probs = [problems[t.prompt_index] for t in trajs]
-    result = get_reward_fn(resolve_reward_name(reward, dataset))(texts, probs)
+    result = run_reward_fn(resolve_reward_name(reward, dataset), prompt_format)(texts, probs)
     rewards = list(getattr(result, "rewards", result))
     for t, r in zip(trajs, rewards, strict=True):
         t.reward = None if r is None else float(r)

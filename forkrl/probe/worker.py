@@ -38,6 +38,7 @@ from forkrl.probe.sampling import (
 __all__ = ["CheckpointProbe", "CheckpointResult", "Progress", "ProbeCancelled"]
 
 ProgressFn = Callable[[int, int, str], None]
+CONTEXT_TOKENS = 16  # a record's context: this many tokens before the probed one, half as many after it
 
 
 class ProbeCancelled(Exception):
@@ -124,7 +125,7 @@ class CheckpointProbe:
 
         t0 = time.perf_counter()
         trajs = self._sample(model, tok, eos, pad)
-        grade(trajs, tok, self.problems, self.reward)
+        grade(trajs, tok, self.problems, self.reward, prompt_format=p.prompt_format)
         self._timed("sample", t0)
         prog.advance(1, f"{ref.label}: sampled {len(trajs)} responses ({self.sampler})")
 
@@ -188,7 +189,7 @@ class CheckpointProbe:
     def _sample(self, model, tok, eos: list[int], pad: int) -> list[Trajectory]:
         """Responses from the job's sampler (forkrl.probe.engines); prompt-major, cut after the first EOS."""
         p = self.p
-        ids = encode_prompts(tok, [q.prompt for q in self.problems], chat_template=p.chat_template)
+        ids = encode_prompts(tok, self.problems, p.prompt_format, p.system_prompt)  # as training encodes them
         kw = dict(group_size=p.num_samples, temperature=p.temperature, max_new_tokens=self.max_new, seed=p.seed,
                   eos_ids=eos)  # fmt: skip
         if self.sampler == "vllm":
@@ -280,7 +281,14 @@ class CheckpointProbe:
             rec = {
                 "checkpoint": self.ref.label, "trajectory": tr.index, "prompt_index": tr.prompt_index,
                 "position": len(tr.prompt_ids) + rp, "response_position": rp, "token_id": tid,
-                "token_text": tok.decode([tid]), "is_eos": tid in eos, "entropy": float(tab.entropy[i]),
+                "token_text": tok.decode([tid]), "is_eos": tid in eos,
+                # the token in context (the report's examples): up to CONTEXT_TOKENS before it (prompt included)
+                # and after it in the response
+                "context_before": tok.decode((tr.prompt_ids + tr.response_ids[:rp])[-CONTEXT_TOKENS:],
+                                             skip_special_tokens=True),
+                "context_after": tok.decode(tr.response_ids[rp + 1:rp + 1 + CONTEXT_TOKENS // 2],
+                                            skip_special_tokens=True),
+                "entropy": float(tab.entropy[i]),
                 "logp": float(tab.logp[i]), "bin": b, "correct": c, "reward": tr.reward,
                 "degenerate_group": bool(tab.degenerate_t[tr.index]),
             }  # fmt: skip

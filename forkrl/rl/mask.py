@@ -11,6 +11,9 @@ Spec choices (algorithms.md §2.3, §6):
   row-major (flattened [B, T]) order wins; in step scope earlier micro-batches win.
 - **Bool masks only** (§6 P3). The returned mask is a subset of response_mask.
 - rho None or 1.0 means off: the mask equals response_mask.
+- **rho is checked once per call**: each public function checks it at its entry with the one rule
+  (`forkrl.rl.options.check_top_frac`: a float comparison, for callers that build their own value); the
+  helpers below them take the checked value and do not check again.
 - **Scope** `microbatch` (default; paper and official code): one top-k per micro-batch. `step`: one top-k
   over every micro-batch of the optimizer step, split back. With data parallelism pass the micro-batch's
   entropies/masks gathered from every rank (pad, gather, drop the sentinel, §6 P2) and slice your rows.
@@ -73,6 +76,11 @@ def kept_count(n_tokens: int, top_frac: float | None) -> int:
     0.28 * 25 = 7.000000000000001 in floating point still gives 7 while 0.2 * 17 gives 4.
     """
     check_top_frac(top_frac)
+    return _kept_count(n_tokens, top_frac)
+
+
+def _kept_count(n_tokens: int, top_frac: float | None) -> int:
+    """kept_count of a checked top_frac."""
     if isinstance(n_tokens, bool) or int(n_tokens) != n_tokens or n_tokens < 0:
         raise ValueError(f"n_tokens must be a non-negative integer, got {n_tokens!r}")
     n = int(n_tokens)
@@ -123,12 +131,17 @@ def forking_token_mask(entropy: Tensor, response_mask: Tensor, top_frac: float |
         top_frac: rho in (0, 1], or None; None or 1.0 returns response_mask itself (a copy).
     """
     check_top_frac(top_frac)
+    return _one_mask(entropy, response_mask, top_frac)
+
+
+def _one_mask(entropy: Tensor, response_mask: Tensor, top_frac: float | None) -> MaskResult:
+    """forking_token_mask of a checked top_frac."""
     _check_pair(entropy, response_mask, "")
     vals = entropy.detach()[response_mask].float()
     n = vals.shape[0]
     if n == 0:
         raise ValueError("response_mask has no real tokens: cannot select forking tokens from nothing")
-    k = kept_count(n, top_frac)
+    k = _kept_count(n, top_frac)
     if k == n:
         mask = response_mask.clone()
         return MaskResult(mask=mask, threshold=float(vals.min()), kept=n, total=n, kept_frac=1.0)
@@ -161,7 +174,7 @@ def masks_for_step(
     if not entropies:
         raise ValueError("masks_for_step needs at least one micro-batch")
     if scope == "microbatch":
-        return [forking_token_mask(e, m, top_frac) for e, m in zip(entropies, response_masks, strict=True)]
+        return [_one_mask(e, m, top_frac) for e, m in zip(entropies, response_masks, strict=True)]
     for j, (e, m) in enumerate(zip(entropies, response_masks, strict=True)):
         _check_pair(e, m, f"micro-batch {j}: ")
     vals_per = [e.detach()[m].float() for e, m in zip(entropies, response_masks, strict=True)]
@@ -170,7 +183,7 @@ def masks_for_step(
     if n == 0:
         raise ValueError("response_masks have no real tokens: cannot select forking tokens from nothing")
     vals = torch.cat(vals_per)
-    k = kept_count(n, top_frac)
+    k = _kept_count(n, top_frac)
     if k == n:
         keep, threshold = torch.ones(n, dtype=torch.bool, device=vals.device), float(vals.min())
     else:
@@ -212,5 +225,5 @@ def kept_denominator(
         else:
             counts.append(int(m))
     if scope == "step":
-        return kept_count(sum(counts), top_frac)
-    return sum(kept_count(c, top_frac) for c in counts)
+        return _kept_count(sum(counts), top_frac)
+    return sum(_kept_count(c, top_frac) for c in counts)

@@ -1,5 +1,11 @@
 """The allowed values of the RL settings, each defined once, and the one rule for entropy_top_frac.
 
+The (0, 1] rule is written once, in `check_top_frac`. Where it is applied: `RunConfig`'s validator (the run's
+boundary: flags, TOML, and again from the proto in the trainer, the trust boundary), `LossConfig` at
+construction (the RL math's entry, for code that builds one itself: the run's comes from
+`RunConfig.loss_config()`), and the public functions of forkrl/rl/mask.py at their entry (a float comparison;
+their helpers, `mask_is_on` included, take the checked value and do not check again).
+
 Every other list is derived from these Literals: `LOSS_NAMES = get_args(LossName)` here, the `RunConfig`
 field types and `--help` choices (forkrl/training/config.py), the proto enum mapping (by name, checked by
 tests/unit/test_run_config.py), and the checks in `LossConfig` and the mask functions.
@@ -51,6 +57,5 @@ def check_top_frac(top_frac: float | None) -> None:
 
 
 def mask_is_on(top_frac: float | None) -> bool:
-    """True when rho actually drops tokens (rho < 1)."""
-    check_top_frac(top_frac)
+    """True when rho actually drops tokens (rho < 1). `top_frac` is a checked value (check_top_frac)."""
     return top_frac is not None and top_frac < 1.0

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from forkrl.data.prompts import PromptFormat, check_format_options
 from forkrl.rl.options import LossName, MaskNorm, MaskScope, check_top_frac
 
 if TYPE_CHECKING:
@@ -49,9 +50,12 @@ def shown(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
-WeightSync = Literal["auto", "stream", "path", "shm"]
-"""How the trainer pushes weights (forkrl/training/rollouts.py): streamed over gRPC (UpdateWeights), through
-the run dir or a shared-memory file (LoadWeights), or auto (shm to services on this host, else stream)."""
+LogTarget = Literal["jsonl", "tensorboard", "wandb"]
+"""Where the metrics go (forkrl/training/metrics.py: MetricsSink)."""
+WeightSync = Literal["auto", "stream", "path", "shm", "transfer"]
+"""How the trainer pushes weights (forkrl/training/rollouts.py): through vLLM's weight-transfer API (transfer),
+streamed over gRPC (UpdateWeights), through the run dir or a shared-memory file (LoadWeights), or auto (transfer
+when every service offers it, else shm to services on this host and stream to the others)."""
 
 
 class RunConfig(BaseModel):
@@ -68,8 +72,8 @@ class RunConfig(BaseModel):
     task: str = Field("", max_length=MAX_NAME_CHARS)
     """Built-in task (used when no dataset is given); empty = default. At most 256 characters."""
     dataset: str = Field("", max_length=MAX_PATH_CHARS)
-    """JSONL dataset of prompts and answers; overrides --task. The client defaults it to $RL_DATASET_PATH. At most
-    4096 bytes, 255 per name in it."""
+    """Dataset of prompts and answers: a JSONL or Parquet file or a `datasets` folder (forkrl/data/datasets.py);
+    overrides --task. The client defaults it to $RL_DATASET_PATH. At most 4096 bytes, 255 per name in it."""
     reward: str = Field("", max_length=MAX_NAME_CHARS)
     """Reward function: exact_match, countdown, math_verify or module:function; empty = the task's default
     (exact_match for sum3/add2, countdown for countdown, math_verify for a dataset). At most 256 characters."""
@@ -143,14 +147,16 @@ class RunConfig(BaseModel):
     min(pi_old / pi_rollout, C) (published: 2.0), C in [1, 1000]; for cispo: its IS weight becomes
     pi / pi_rollout, truncated at its own cap (cispo_max_weight); unset = off."""
     weight_sync: WeightSync = "auto"
-    """Weight push route: auto = a shared-memory file + LoadWeights for rollout services on this host that
-    see it, streaming (UpdateWeights) for the others; stream; path (the run dir + LoadWeights, a shared
-    volume); shm (/dev/shm, or FORKRL_SYNC_DIR, + LoadWeights)."""
+    """Weight push route: transfer = vLLM's weight-transfer API, the model broadcast layer by layer into the rollout
+    services' workers (gloo on CPU, nccl on a GPU; rendezvous at TRAINER_TRANSFER_ADDRESS, default 127.0.0.1);
+    auto = transfer when every rollout service offers it, else a shared-memory file + LoadWeights for rollout
+    services on this host that see it, streaming (UpdateWeights) for the others; stream; path (the run dir +
+    LoadWeights, a shared volume); shm (/dev/shm, or FORKRL_SYNC_DIR, + LoadWeights)."""
     eval_every: int = Field(0, ge=0, le=MAX_STEPS)
     """Evaluate accuracy every N steps (0 = before and after only), at most 10,000,000."""
     eval_prompts: int = Field(128, ge=0, le=MAX_BATCH)
-    """Eval-split prompts per evaluation (0 = no eval), at most 1,048,576 (and the trainer's max_eval_tokens caps
-    eval_prompts x max_new_tokens)."""
+    """Eval prompts per evaluation: of the eval split, or of each --eval-dataset file (0 = no eval), at most
+    1,048,576 (and the trainer's max_eval_tokens caps eval_prompts x files x max_new_tokens)."""
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     """AdamW beta1, in [0, 1)."""
     adam_beta2: float = Field(0.999, ge=0, lt=1)
@@ -166,6 +172,31 @@ class RunConfig(BaseModel):
     checkpointing, on 1 or N ranks): per layer only its input is kept, for about one more forward of compute; the
     numbers do not change. Needed for long responses (recipes/dapo_paper.toml turns it on: docs/scaling.md
     "Memory plan"); off by default (the short rows of the tiny default do not need it)."""
+    prompt_format: PromptFormat = "raw"
+    """How a problem becomes the model's prompt (forkrl/data/prompts.py): raw (the text as is), chat (the
+    tokenizer's chat template; a row's own message list is kept), dapo (DAPO's math prompt in the chat template,
+    the answer on a last 'Answer:' line: the 80/20 paper's), boxed (a \\boxed{} instruction in the chat template),
+    dapo_plain / boxed_plain (those texts without a chat template). math_verify reads the answer where the
+    format puts it."""
+    system_prompt: str = Field("", max_length=65536)
+    """System message of the chat formats (chat, dapo, boxed); empty = none (a row's own system turn is kept)."""
+    prompt_field: str = Field("", max_length=256)
+    """Dataset field of the prompt, dotted for a nested one (extra_info.question); empty = the first of prompt,
+    question, problem."""
+    answer_field: str = Field("", max_length=256)
+    """Dataset field of the gold answer, dotted for a nested one (reward_model.ground_truth); empty = the first
+    of answer, solution, ground_truth, reward_model.ground_truth."""
+    eval_dataset: list[str] = Field([], max_length=32)
+    """Benchmark file(s) or folder(s) for the in-training eval instead of the eval split (same kinds as
+    --dataset, read whole, the first eval_prompts problems of each); several as a comma-separated list or a
+    repeated flag. eval_accuracy is over all of them, eval_accuracy_<name> per file."""
+    log_to: list[LogTarget] = ["jsonl", "tensorboard"]
+    """Where the step and eval metrics go: jsonl (metrics.jsonl, always written: resume and the curves read it),
+    tensorboard (<run_dir>/tb), wandb (Weights & Biases: the optional extra `wandb`; WANDB_MODE=offline writes
+    <run_dir>/wandb without a network)."""
+    wandb_project: str = Field("", max_length=128)
+    """W&B project (log_to wandb); empty = $WANDB_PROJECT of the trainer, else forkrl. The W&B run is named
+    after the run dir and keeps its id across resumes."""
 
     @field_validator("entropy_top_frac")
     @classmethod
@@ -210,6 +241,7 @@ class RunConfig(BaseModel):
             raise ValueError("resume needs run_dir (the run to continue)")
         if self.max_new_tokens:
             self.check_overlong()
+        check_format_options(self.prompt_format, self.system_prompt)
         return self
 
     def check_overlong(self) -> None:
@@ -251,8 +283,8 @@ def to_proto(cfg: RunConfig) -> Any:
         if fields[name].enum_type is not None:
             enum_type = fields[name].enum_type
             setattr(msg, name, enum_type.values_by_name[_enum_prefix(enum_type) + value.upper()].number)
-        elif name == "rollout_addresses":
-            msg.rollout_addresses.extend(value)
+        elif isinstance(value, list):  # repeated string fields
+            getattr(msg, name).extend(value)
         elif value is not None:
             setattr(msg, name, value)
     return msg
@@ -270,7 +302,7 @@ def from_proto(msg: Any) -> RunConfig:
             if value != 0:  # an unknown number goes through as is: the Literal check names the field
                 known = field.enum_type.values_by_number.get(value)
                 data[name] = known.name.removeprefix(_enum_prefix(field.enum_type)).lower() if known else value
-        elif name == "rollout_addresses":
+        elif field.is_repeated:  # empty = the default
             if value:
                 data[name] = list(value)
         elif field.has_presence:

@@ -19,8 +19,8 @@ checkpointing (optional, `enable_activation_checkpointing`, also on one process)
 
 The trainer's ranks use it through `forkrl/training/policy.py` (`load_policy` shards when the process group
 has > 1 rank) and `forkrl/training/ranks.py`; their checkpoints (gathered HF weights + AdamW shards with
-torch.distributed.checkpoint) in `forkrl/weights/sharded.py`. Not built (docs/scaling.md): streaming the
-gathered weights to the rollout services.
+torch.distributed.checkpoint) in `forkrl/weights/sharded.py`; the push streams the shards layer by layer into
+the rollout services through vLLM's weight-transfer API (forkrl/weights/transfer_gloo.py, docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ def init_from_env(backend: str | None = None) -> DistInfo:
 
     backend: None = nccl when CUDA is present, else gloo. Each rank uses cuda:LOCAL_RANK on GPU.
     """
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: end with its agent, also when that was SIGKILLed
+        from forkrl.runtime import die_with
+
+        die_with(os.getppid())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()

@@ -4,7 +4,8 @@
 
 The trainer service calls it in the run's own thread with the config already resolved by preflight(). Every
 step emits one metrics item (run.emit → WatchRun), one line of `metrics.jsonl` and TensorBoard scalars;
-checkpoints are written atomically (forkrl/weights/checkpoint.py).
+checkpoints are written atomically (forkrl/weights/checkpoint.py). Each evaluation also records a few eval
+responses token by token for the run report and rewrites <run_dir>/report.html (forkrl/report/record.py).
 
 Determinism: the data order is a seeded permutation walked by a cursor (forkrl/data/order.py), the sampling
 seed of step s is derived from (seed, s) and the rollout service derives each sample's seed from it. With the
@@ -35,6 +36,7 @@ cursor of the last trained batch. With k = 0 the loop below is the sync loop, un
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -46,17 +48,19 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from forkrl.data.datasets import load_problems
+from forkrl.data.datasets import Fields, load_eval_sets, load_problems
 from forkrl.data.order import DataOrder
-from forkrl.data.rewards import RewardFn, get_reward_fn
+from forkrl.data.prompts import PromptEncoder, run_reward_fn
+from forkrl.data.rewards import RewardFn
 from forkrl.data.tasks import Problem
+from forkrl.report.record import EvalRecorder
 from forkrl.rl.step import StepStopped
 from forkrl.training.config import RunConfig
-from forkrl.training.metrics import MetricsSink
+from forkrl.training.metrics import MetricsSink, per_set_means
 from forkrl.training.pipeline import AheadCollector, staleness
 from forkrl.training.policy import NonFiniteWeights, Policy, load_policy
 from forkrl.training.ranks import RankLink, UpdatePayload
-from forkrl.training.rollouts import Rollouts
+from forkrl.training.rollouts import PolicyWeights, Rollouts
 from forkrl.training.scoring import SamplingStopped, ScoredBatch, collect_batch, evaluate
 from forkrl.weights.checkpoint import checkpoint_name, latest_checkpoint
 
@@ -130,17 +134,25 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
          token: str | None, rollout_wait_s: float) -> None:
     policy = load_policy(cfg, run_dir, device)
     run.start_step = run.step = policy.start_step
-    sink = MetricsSink(run_dir, tensorboard)
+    rid = lease_id(run_dir, run.run_id, cfg.resume)
+    sink = MetricsSink.for_run(run_dir, cfg, rid, tensorboard)  # --log-to: jsonl + TensorBoard / W&B
     if policy.resumed:
         sink.drop_after(policy.start_step)  # lines of steps after the checkpoint: those steps run again
-    train_problems = load_problems(cfg.task or None, cfg.dataset or None, "train", TRAIN_POOL, cfg.seed)
-    eval_problems = load_problems(cfg.task or None, cfg.dataset or None, "eval", cfg.eval_prompts, cfg.seed) \
-        if cfg.eval_prompts else []
+    # a dataset: every train problem, read lazily (forkrl/data/datasets.py); a task: a generated pool
+    fields = Fields(cfg.prompt_field, cfg.answer_field)
+    train_problems = load_problems(cfg.task or None, cfg.dataset or None, "train",
+                                   None if cfg.dataset else TRAIN_POOL, cfg.seed, fields)
+    eval_sets = load_eval_sets(cfg.task or None, cfg.dataset or None, cfg.eval_dataset, cfg.eval_prompts, cfg.seed,
+                               fields)
+    # the trainer formats and tokenizes; the rollout service samples from exactly these ids (forkrl/data/prompts.py)
+    encoder = PromptEncoder(copy.deepcopy(policy.tokenizer), cfg.prompt_format, cfg.system_prompt)  # own copy
     s = _Session(run, cfg, policy, DataOrder(train_problems, cfg.seed, policy.data_cursor),
-                 get_reward_fn(cfg.reward), sink,
-                 Rollouts(cfg.rollout_addresses, token, lease_id(run_dir, run.run_id, cfg.resume)), eval_problems,
+                 run_reward_fn(cfg.reward, cfg.prompt_format), sink,
+                 Rollouts(cfg.rollout_addresses, token, rid), [p for _, ps in eval_sets for p in ps],
                  link, wait_s=rollout_wait_s, trained_step=policy.start_step, saved_step=policy.start_step,
-                 trained_cursor_at=policy.data_cursor)
+                 trained_cursor_at=policy.data_cursor, encode=encoder.encode,
+                 eval_sets=[(name, len(ps)) for name, ps in eval_sets],
+                 recorder=EvalRecorder(run_dir, cfg, policy, link))  # the run report's eval samples
     try:
         _steps(s)
     except NonFiniteWeights as e:  # never pushed, never saved, also not by save_on_failure
@@ -154,6 +166,8 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
         s.rollouts.release()  # the lease, for the next run
         s.rollouts.close()  # and the shared-memory weights file of --weight-sync auto/shm
         s.sink.close()
+        if s.recorder is not None:
+            s.recorder.refresh(run.event)  # report.html, whatever the outcome
 
 
 def _steps(s: _Session) -> None:
@@ -264,6 +278,9 @@ class _Session:
     saved_step: int = 0  # the step of the last checkpoint written
     pending: tuple[int, dict[str, float]] | None = None  # a trained step whose metrics are not written yet
     bad_steps: int = 0  # consecutive steps whose every update was skipped (non-finite loss or gradients)
+    encode: Callable[[Any], list[list[int]]] | None = None  # problems -> prompt token ids (the prompt format)
+    eval_sets: list[tuple[str, int]] | None = None  # (benchmark name, prompts) in eval_problems order
+    recorder: EvalRecorder | None = None  # eval samples and report.html (forkrl/report)
 
     @property
     def trained_cursor(self) -> int:
@@ -272,7 +289,7 @@ class _Session:
 
     def collect_ahead(self, step: int) -> tuple[ScoredBatch, int]:
         """The sampler thread's job for `step` (async): its batch and the data cursor after it."""
-        scored = collect_batch(self.rollouts, self.data, self.reward_fn, self.cfg, step,
+        scored = collect_batch(self.rollouts, self.data, self.reward_fn, self.cfg, step, self.encode,
                                stop=self.run.stop_requested.is_set)
         return scored, self.data.cursor
 
@@ -296,7 +313,7 @@ class _Session:
         cursor = self.data.cursor
         try:
             scored = collect_batch(self.rollouts, self.data, self.reward_fn, self.cfg, step,  # + dynamic sampling
-                                   stop=self.run.stop_requested.is_set)
+                                   self.encode, stop=self.run.stop_requested.is_set)
             foreign = sum(t.policy_version != self.version for t in scored.trajectories)
             if foreign:
                 self.foreign_batches += 1
@@ -343,7 +360,7 @@ class _Session:
         self.run.event("LOG", f"{what}: {why}; waiting up to {self.wait_s:.0f} s for the rollout "
                        "service(s), then pushing the weights again")
         t0 = time.perf_counter()
-        lost = self.rollouts.restore(self.full_state(), self.version, self.cfg.weight_sync, self.run.run_dir,
+        lost = self.rollouts.restore(self.policy_weights(), self.version, self.cfg.weight_sync, self.run.run_dir,
                                      self.wait_s)
         self.recoveries += 1
         self.run.event("LOG", f"{what}: rollout service(s) {lost} given version {self.version} again after "
@@ -420,10 +437,17 @@ class _Session:
         self.link.tell("state")  # every rank joins the gather of a sharded model
         return self.policy.full_state()
 
+    def policy_weights(self) -> PolicyWeights:
+        """What a push sends: the gathered state dict, or (the transfer route) the live model layer by layer, with
+        every rank in the gathers. Checked finite first, whatever the route (NonFiniteWeights: nothing is sent)."""
+        self.link.tell("check")  # every rank checks its shards (a reduced check)
+        self.policy.check_finite()
+        return PolicyWeights(self.full_state, self.policy.model, lambda: self.link.tell("transfer"))
+
     def push_current(self) -> float:
         """Push the current weights as `version` to every service (logs the route of each when it changes)."""
         before = self.rollouts.routes
-        elapsed = self.rollouts.push(self.full_state(), self.version, self.cfg.weight_sync, self.run.run_dir)
+        elapsed = self.rollouts.push(self.policy_weights(), self.version, self.cfg.weight_sync, self.run.run_dir)
         if self.rollouts.routes != before:
             routes = ", ".join(f"{c.address} {r}" for c, r in zip(self.rollouts.clients, self.rollouts.routes,
                                                                    strict=True))
@@ -440,16 +464,27 @@ class _Session:
             return
         t0 = time.perf_counter()
         per_prompt: dict[str, list[float]] = {}
+        sampled: list = []  # each prompt's samples at T and rewards: the report's eval sample
+
+        def run_eval() -> dict[str, float]:
+            sampled.clear()  # a retried evaluation starts over
+            return evaluate(self.rollouts, self.reward_fn, self.eval_problems, self.cfg, per_prompt=per_prompt,
+                            encode=self.encode, stop=self.run.stop_requested.is_set, sampled=sampled)
+
         try:
-            res = self.resilient(f"the evaluation at step {step}",
-                                 lambda: evaluate(self.rollouts, self.reward_fn, self.eval_problems, self.cfg,
-                                                  per_prompt=per_prompt, stop=self.run.stop_requested.is_set))
+            res = self.resilient(f"the evaluation at step {step}", run_eval)
         except SamplingStopped:
             return
+        res.update(per_set_means(self.eval_sets or [], per_prompt))  # eval_accuracy_<benchmark>
         res["time_eval_s"] = time.perf_counter() - t0
+        if self.recorder is not None:  # teacher-forced entropy and kept flags of a few responses (every rank)
+            res.update(self.recorder.record(step, self.eval_problems, sampled))
         self.sink.write(step, res, kind="eval")
+        self.sink.write_benchmarks(step, res, [name for name, _ in self.eval_sets or []])  # a table to TB / W&B
         self.sink.write_eval_prompts(step, per_prompt)
         self.run.event("EVAL", f"eval on {len(self.eval_problems)} prompts", step=step, values=res)
+        if self.recorder is not None:
+            self.recorder.refresh(self.run.event)  # report.html
 
     def checkpoint(self, step: int, name: str, cursor: int | None = None) -> None:
         self.link.tell("checkpoint", str(self.run.run_dir), name)  # every rank writes its optimizer shards

@@ -1,10 +1,12 @@
-"""Where a run's numbers go: one `metrics.jsonl` line per step or evaluation (always) and TensorBoard scalars
-(optional). Lines are flushed per step, so nothing is lost when the trainer dies mid-run.
+"""Where a run's numbers go: one `metrics.jsonl` line per step or evaluation (always), and the loggers of
+`--log-to` beside it: TensorBoard scalars (<run_dir>/tb) and Weights & Biases (forkrl/training/loggers.py).
+Lines are flushed per step, so nothing is lost when the trainer dies mid-run.
 
-    sink = MetricsSink(run_dir, tensorboard=True)
+    sink = MetricsSink(run_dir, tensorboard=True)              # or MetricsSink.for_run(run_dir, cfg, run_id)
     sink.write(step, {"reward_mean": 0.31, ...})            # kind "train"
     sink.write(step, {"eval_accuracy": 0.37}, kind="eval")
     sink.write_eval_prompts(step, {"eval_accuracy": [0.25, 1.0, ...]})   # eval_prompts.jsonl: per prompt
+    sink.write_table("eval/benchmarks", ["benchmark", "accuracy"], [["aime24", 0.1]], step)   # loggers only
     sink.close()
 
     class_breakdown(labels, kept, classes)   # what the forking-token mask keeps, by answer-token class
@@ -19,35 +21,54 @@ of class c (only for classes present in the step). Without a mask the two shares
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from forkrl.data.problem import TOKEN_CLASSES
+from forkrl.training.loggers import Logger, TensorBoardLog, WandbLog
 
 EVAL_PROMPTS_FILE = "eval_prompts.jsonl"
 
 
 class MetricsSink:
-    """metrics.jsonl (always) + TensorBoard (optional). Lines are flushed per step: nothing lost on a crash."""
+    """metrics.jsonl (always) + the loggers (TensorBoard, W&B). Lines are flushed per step: nothing lost on a
+    crash."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool = False, loggers: Sequence[Logger] = ()) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.loggers: list[Logger] = [TensorBoardLog(run_dir / "tb")] if tensorboard else []
+        self.loggers += list(loggers)
 
-            self.writer = SummaryWriter(str(run_dir / "tb"))
+    @classmethod
+    def for_run(cls, run_dir: Path, cfg: Any, run_id: str, tensorboard: bool = True) -> MetricsSink:
+        """The sink of a run's `log_to` (a RunConfig); `tensorboard` False: the service allows no TensorBoard.
+        The W&B run is named after the run dir and has the run's id (the same across resumes)."""
+        loggers: list[Logger] = []
+        if "wandb" in cfg.log_to:
+            loggers.append(WandbLog(run_dir, project=cfg.wandb_project, name=run_dir.name, run_id=run_id,
+                                    config=cfg.model_dump()))
+        return cls(run_dir, tensorboard and "tensorboard" in cfg.log_to, loggers)
 
     def write(self, step: int, values: dict[str, float], kind: str = "train") -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, "kind": kind, **values}, sort_keys=True) + "\n")
-        if self.writer is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.writer.add_scalar(f"{kind}/{k}", v, step)
-            self.writer.flush()
+        for log in self.loggers:
+            log.scalars(step, kind, values)
+
+    def write_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int | None = None) -> None:
+        """A table (an eval's benchmark x checkpoint results) to the loggers: W&B as a wandb.Table, TensorBoard
+        as markdown text. metrics.jsonl holds the numbers as scalars already."""
+        for log in self.loggers:
+            log.table(name, columns, rows, step)
+
+    def write_benchmarks(self, step: int, values: dict[str, float], names: Sequence[str]) -> None:
+        """The in-training eval over benchmark files as a table (benchmark x accuracy at T, greedy accuracy) to the
+        loggers, from the `eval_accuracy_<name>` values (per_set_means); nothing without named benchmarks."""
+        rows = [[n, values.get(f"eval_accuracy_{n}"), values.get(f"eval_greedy_accuracy_{n}")] for n in names if n]
+        if rows:
+            self.write_table("eval/benchmarks", ["benchmark", "eval_accuracy", "eval_greedy_accuracy"], rows, step)
 
     def write_eval_prompts(self, step: int, per_prompt: dict[str, list[float]]) -> None:
         """One line of `eval_prompts.jsonl`: each eval prompt's accuracy (same prompt order at every eval), what
@@ -74,8 +95,25 @@ class MetricsSink:
         return removed
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for log in self.loggers:
+            log.close()
+
+
+def per_set_means(sets: Sequence[tuple[str, int]], per_prompt: dict[str, list[float]]) -> dict[str, float]:
+    """`<key>_<name>`: the mean over each named set's prompts of every per-prompt value list (an evaluation over
+    several benchmark files: `sets` holds (name, prompt count) in the order the prompts were evaluated); {} when
+    the sets have no names (the eval split)."""
+    out: dict[str, float] = {}
+    if not any(name for name, _ in sets):
+        return out
+    for key, values in per_prompt.items():
+        start = 0
+        for name, size in sets:
+            part = values[start:start + size]
+            start += size
+            if part:
+                out[f"{key}_{name}"] = sum(part) / len(part)
+    return out
 
 
 def class_breakdown(labels: Sequence[Sequence[str]], kept: Sequence[Sequence[bool]],

@@ -1,6 +1,7 @@
 """Resolve and check a run config once, before the run starts (the trainer service calls it in StartRun).
 
-    cfg = preflight(RunConfig(entropy_top_frac=0.2))   # model dir, task, reward, max_new_tokens filled in
+    cfg = preflight(RunConfig(entropy_top_frac=0.2))   # model dir, task, reward, max_new_tokens filled in; the
+                                                       # dataset's rows, the prompt format and the reward checked
     cfg = check_values(cfg)     # the same checks except those that need the files (recipes, tests)
 
 ValueError → the request is wrong (INVALID_ARGUMENT); PermissionError → this trainer does not allow it
@@ -15,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from forkrl.data.datasets import Fields, check_dataset, load_benchmark
+from forkrl.data.prompts import check_prompt_format, check_reward_format
 from forkrl.data.rewards import get_reward_fn
 from forkrl.data.tasks import DEFAULT_TASK, get_task
 from forkrl.models.tiny import default_model_dir
@@ -47,7 +50,13 @@ def check_values(cfg: RunConfig) -> RunConfig:
         get_task(cfg.task)  # raises ValueError naming the known tasks
     get_reward_fn(cfg.reward)  # raises ValueError for an unknown reward
     cfg.check_overlong()  # max_new_tokens is known now
+    check_reward_format(cfg.reward, cfg.prompt_format)  # the reward reads the answer where the format puts it
     cfg.loss_config()  # raises ValueError for a combination the loss cannot honour
+    if "wandb" in cfg.log_to:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ValueError("log_to wandb: the trainer has no wandb package (pip install 'forkrl[wandb]')")
     return cfg
 
 
@@ -78,9 +87,14 @@ def preflight(cfg: RunConfig, rules: RunRules | None = None) -> RunConfig:
     cfg = check_values(cfg)
     if not (Path(cfg.model) / "config.json").is_file():
         raise ValueError(f"model: {cfg.model!r} is not an HF checkpoint directory (no config.json)")
-    if cfg.dataset and not Path(cfg.dataset).is_file():
-        raise ValueError(f"dataset: no such file {cfg.dataset!r}")
+    fields = Fields(cfg.prompt_field, cfg.answer_field)
+    if cfg.dataset:  # every row read and checked (and the normalized table cached for the run)
+        check_dataset(cfg.dataset, ("train", "eval") if cfg.eval_prompts and not cfg.eval_dataset else ("train",),
+                      fields)
+    for bench in cfg.eval_dataset:
+        load_benchmark(bench, fields)
     check_context(cfg)
+    check_prompt_format(cfg.model, cfg.prompt_format, cfg.system_prompt)  # a chat format needs a chat template
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
         has_ckpt = latest_checkpoint(run_dir) is not None

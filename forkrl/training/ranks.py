@@ -13,7 +13,10 @@ needs every rank, just before doing it itself:
 | `start` (config, run dir) | `load_policy` | `load_policy`: the same model, sharded (FSDP2) over all ranks |
 | `update` (step, rewards and token ids) | `Policy.set_lr`, `Policy.update` | the same: `train_step` on its share |
 | `state` | `Policy.full_state()` for the push | `Policy.full_state()` (the finite check, the gather) |
+| `check` | `Policy.check_finite()` before any push | the same (its shards; the flag reduced over the ranks) |
+| `transfer` | streams the model into the rollout services | `join_transfer`: the same per-parameter gathers |
 | `checkpoint` (run dir, name) | `Policy.save`: HF files + its AdamW shards | the same (DCP, its shards) |
+| `tokens` (token ids, temperature) | the run report's teacher-forced eval sample | the same forwards (FSDP2) |
 | `end` | the run is over (any outcome) | drops the policy |
 | `exit` | the service stops | returns |
 
@@ -135,16 +138,29 @@ def follow(device: str = "auto") -> None:
                 policy.update(payload, policy.cfg.loss_config())
             except StepStopped:  # rank 0's stop reached every rank at the same micro-batch
                 log.info("rank %d: step %d stopped before any update", rank, step)
-        elif op in ("state", "checkpoint"):
+        elif op in ("check", "state", "checkpoint"):
             assert policy is not None, f"{op} before start"
             try:
-                if op == "state":
+                if op == "check":
+                    policy.check_finite()
+                elif op == "state":
                     policy.full_state()
                 else:
                     run_dir, name = args
                     policy.save(Path(run_dir), name, None)
             except NonFiniteWeights as e:  # every rank found it (a reduced check): rank 0 fails the run
-                log.error("rank %d: %s: not %s", rank, e, "gathered" if op == "state" else "saved")
+                log.error("rank %d: %s: not %s", rank, e, {"check": "pushed", "state": "gathered"}.get(op, "saved"))
+        elif op == "tokens":  # the run report's eval sample (forkrl/report/record.py): join the sharded forwards
+            assert policy is not None, "tokens before start"
+            from forkrl.report.record import teacher_forced
+
+            seqs, temperature = args
+            teacher_forced(policy.model, seqs, temperature, policy.device)
+        elif op == "transfer":
+            assert policy is not None, "transfer before start"
+            from forkrl.training.rollouts import join_transfer
+
+            join_transfer(policy.model)
         elif op == "end":
             policy = None
         elif op == "exit":

@@ -5,6 +5,7 @@
     rollouts.adopt(version=0)              # the trainer's version of what every service serves now
     groups = rollouts.generate(prompts, n=8, temperature=1.0, max_new_tokens=32, seed=run_seed("gen", 0, 1, 0))
     rollouts.push(model, version=1, mode="auto", run_dir=run_dir)       # every service serves version 1
+    rollouts.push(PolicyWeights(full_state, model, on_transfer), 2, "auto", run_dir)   # a trainer on N ranks
     rollouts.restore(model, version=1, ...)   # after a rollout restart: wait for health, push the weights again
     rollouts.release()                        # the run ended: give up the rollout lease
     rollouts.close()                          # and the shared-memory weights file
@@ -12,11 +13,19 @@
 Sampling seeds follow the global prompt index (`prompt_offsets`), so the trajectories do not depend on how many
 services share the prompts. A push goes to every service in parallel (one thread each), by one of the
 `--weight-sync` routes:
+- transfer: vLLM's weight-transfer API. The services' workers join a process group with this trainer's rank 0
+  (gloo on CPU, forkrl/weights/transfer_gloo.py; vLLM's nccl on a GPU) over a rendezvous this trainer serves at
+  TRAINER_TRANSFER_ADDRESS (host[:port], default 127.0.0.1 and a free port: an address every rollout service can
+  reach), and the weights are broadcast layer by layer from the live model (`PolicyWeights.module`): each
+  layer is gathered (FSDP2: on every rank, which `PolicyWeights.on_transfer` sets going), sent and freed, so
+  the whole model is never materialized on one rank;
 - stream: UpdateWeights, the state streamed tensor by tensor in 4 MiB chunks (works across hosts);
 - path: one safetensors file in the run dir that every service loads (LoadWeights; a shared volume);
 - shm: one safetensors file in shared memory (forkrl/weights/shm.py), rewritten in place each push, loaded
   with LoadWeights: a service on this host that sees the same /dev/shm;
-- auto (default): shm for every service whose address is on this host, stream for the others; a service
+- auto (default): transfer when every service offers this trainer's backend (GetInfo); if joining the group
+  fails, the routes below from then on (logged). Otherwise shm for every service whose address is on this host,
+  stream for the others; a service
   that answers the shm load with NOT_FOUND or PERMISSION_DENIED (another /dev/shm: a container, another
   user) gets the same version streamed at once and is streamed to from then on, as does every service when
   the file cannot be written (the sync dir belongs to another user, shared memory is full). The route of each service
@@ -33,23 +42,39 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
 
-from forkrl.clients.rollout import RolloutClient
 from forkrl.files import atomic_write
+from forkrl.remote.rollout import RolloutClient
 from forkrl.training.config import WeightSync
 from forkrl.weights.shm import SharedWeightsFile, default_sync_dir
 
 log = logging.getLogger("forkrl.rollouts")
+TRANSFER_ADDRESS_ENV = "TRAINER_TRANSFER_ADDRESS"
 # answers to a LoadWeights of the shm file that mean "this service does not see the file": stream instead
 _NOT_COLOCATED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)
+
+
+@dataclass
+class PolicyWeights:
+    """The weights of a push, materialized only as the route needs them: `full_state()` gathers the whole state
+    dict (on rank 0 of a sharded model: the stream, shm and path routes); the transfer route streams `module`'s
+    parameters layer by layer, after calling `on_transfer()` (a multi-rank trainer tells its other ranks to join
+    the gathers: forkrl/training/ranks.py)."""
+
+    full_state: Callable[[], dict[str, torch.Tensor]]
+    module: torch.nn.Module
+    on_transfer: Callable[[], None] = lambda: None
 
 
 class Rollouts:
@@ -70,6 +95,11 @@ class Rollouts:
         self.routes: list[str] = []  # of the last push: "stream", "path" or "shm" per service
         self._no_shm: set[int] = set()  # services that answered the shm load with NOT_FOUND/PERMISSION_DENIED
         self._shm: SharedWeightsFile | None = None
+        self._transfer: Any = None  # the trainer's weight-transfer engine, joined with every service's workers
+        self._sync: Any = None  # its RolloutWeightSync
+        self._no_transfer = False  # auto: joining the group failed once; the other routes from then on
+        self.last_transfer: dict[str, float] = {}  # of the last transfer push: bytes, groups, peak_held_bytes
+        self.offers: list[str] | None = None  # each service's weight-transfer backend, as of adopt()
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         for c in self.clients:
@@ -108,8 +138,11 @@ class Rollouts:
         return max(c.info().version for c in self.clients)
 
     def adopt(self, version: int) -> None:
-        """What every service serves now is the trainer's `version` (at the start of a run)."""
-        self.versions = [{c.info().version: version} for c in self.clients]
+        """What every service serves now is the trainer's `version` (at the start of a run); also notes the
+        weight-transfer backend each offers (--weight-sync auto)."""
+        infos = [c.info() for c in self.clients]
+        self.versions = [{i.version: version} for i in infos]
+        self.offers = [i.engine.weight_transfer_backend for i in infos]
 
     def lost(self) -> list[int]:
         """Indices of the services that no longer serve the weights this run last pushed there (restarted)."""
@@ -120,23 +153,32 @@ class Rollouts:
                 out.append(j)
         return out
 
-    def restore(self, model: torch.nn.Module | dict[str, torch.Tensor], version: int, mode: WeightSync,
+    def restore(self, model: torch.nn.Module | dict[str, torch.Tensor] | PolicyWeights, version: int, mode: WeightSync,
                 run_dir: Path, wait_s: float) -> list[int]:
         """After a fault (UNAVAILABLE, a foreign sample): wait up to `wait_s` for every service to be SERVING, then
         push `version` again to those that lost it. Returns their indices."""
         self.wait_ready(wait_s)
+        if self.offers is not None:  # a restarted service may offer another backend (or none)
+            self.offers = [c.info().engine.weight_transfer_backend for c in self.clients]
         lost = self.lost()
         if lost:
             self.push(model, version, mode, run_dir, only=lost)
         return lost
 
-    def release(self) -> None:
-        """Give up the lease on every service (the run ended); a service that is gone is skipped."""
+    def release(self) -> list[str]:
+        """Give up the lease on every service (the run ended). A service that is gone is skipped with a warning
+        (its lease expires by itself, or it restarted without one); returns the addresses it failed on. The
+        deadline is one only a hang exceeds: a slow answer is still waited for."""
+        failed = []
         for c in self.clients:
             try:
-                c.release_lease(self.run_id, timeout_s=5.0)
-            except Exception:  # noqa: BLE001 - best effort: the lease expires by itself
-                pass
+                c.release_lease(self.run_id, timeout_s=60.0)
+            except Exception as e:  # noqa: BLE001 - never in the way of the run's own outcome
+                why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else repr(e)
+                log.warning("releasing the rollout lease of run %s on %s failed (%s); it expires by itself",
+                            self.run_id, c.address, why)
+                failed.append(c.address)
+        return failed
 
     def serve_initial(self, model_dir: str) -> bool:
         """True when every service still serves the checkpoint it started with and that is `model_dir`."""
@@ -144,6 +186,7 @@ class Rollouts:
         return all(i.version == 0 and Path(i.model).resolve() == want for i in (c.info() for c in self.clients))
 
     def close(self) -> None:
+        self._drop_transfer(shutdown=True)
         if self._shm is not None:
             self._shm.discard()
         self.pool.shutdown(wait=False)
@@ -152,24 +195,45 @@ class Rollouts:
 
     def choose_routes(self, mode: WeightSync) -> list[str]:
         """The route of each service for a push in `mode` (see the module docstring)."""
-        if mode in ("stream", "path", "shm"):
+        if mode in ("stream", "path", "shm", "transfer"):
             return [mode] * len(self.clients)
+        if not self._no_transfer and self.offers is not None and set(self.offers) == {_trainer_backend()}:
+            return ["transfer"] * len(self.clients)
         sync = default_sync_dir()
         return ["shm" if sync is not None and i not in self._no_shm and is_local(c.address) else "stream"
                 for i, c in enumerate(self.clients)]
 
-    def push(self, model: torch.nn.Module | dict[str, torch.Tensor], version: int, mode: WeightSync,
+    def push(self, model: torch.nn.Module | dict[str, torch.Tensor] | PolicyWeights, version: int, mode: WeightSync,
              run_dir: Path, only: list[int] | None = None) -> float:
-        """Send the weights (a model, or its full state dict) as the trainer's `version` to every service (or those
-        in `only`) in parallel, each as its served version + 1; returns the seconds it took."""
-        items = model.items() if isinstance(model, dict) else model.state_dict().items()
-        state = {k: v.detach() for k, v in items}
+        """Send the weights (a model, its full state dict, or PolicyWeights) as the trainer's `version` to every
+        service (or those in `only`; the transfer route always sends to all: they share one broadcast) in
+        parallel, each as its served version + 1; returns the seconds it took."""
         t0 = time.perf_counter()
-        which = list(range(len(self.clients))) if only is None else only
+        weights = model if isinstance(model, PolicyWeights) else None
         routes = self.choose_routes(mode)
         if routes != self.routes:
             log.info("weight sync (%s): %s", mode,
                      ", ".join(f"{c.address} {r}" for c, r in zip(self.clients, routes, strict=True)))
+        if routes[0] == "transfer":
+            module = weights.module if weights is not None else model
+            if not isinstance(module, torch.nn.Module):
+                raise ValueError("--weight-sync transfer streams a model's parameters: pass the module, not a "
+                                 "state dict")
+            try:
+                self._push_transfer(module, version, weights.on_transfer if weights is not None else lambda: None)
+                self.routes = routes
+                return time.perf_counter() - t0
+            except _TransferUnavailable as e:
+                if mode == "transfer":
+                    raise RuntimeError(str(e)) from e
+                log.warning("weight sync: %s; using the other routes from now on", e)
+                self._no_transfer = True
+                routes = self.choose_routes(mode)
+        if weights is not None:
+            model = weights.full_state()
+        items = model.items() if isinstance(model, dict) else model.state_dict().items()
+        state = {k: v.detach() for k, v in items}
+        which = list(range(len(self.clients))) if only is None else only
         file: str = ""
         if any(routes[j] == "path" for j in which):
             from safetensors.torch import save
@@ -235,6 +299,155 @@ class Rollouts:
                           "swap_apply_s": max((r.apply_s for r in resps if r is not None), default=0.0),
                           "push_shm_services": float(routes.count("shm"))}
         return elapsed
+
+    # ------------------------------------------------------------------------- the transfer route
+    def _transfer_backend(self) -> str | None:
+        """This trainer's weight-transfer backend when every service offers it now, else None."""
+        want = _trainer_backend()
+        offered = {c.info().engine.weight_transfer_backend for c in self.clients}
+        return want if offered == {want} else None
+
+    def _push_transfer(self, module: torch.nn.Module, version: int, on_transfer: Callable[[], None]) -> None:
+        """Stream `module` into every service through vLLM's weight-transfer API (the module docstring)."""
+        for attempt in range(2):
+            if self._transfer is None:
+                self._join_transfer(module)
+            sync = self._sync
+            sync.targets = [c.info().version + 1 for c in self.clients]  # each service's own numbering
+            self._transfer.source = lockstep_source(module, on_transfer)
+            try:
+                self._transfer.send_weights()
+            except grpc.RpcError as e:
+                sync.abort()
+                self._drop_transfer(shutdown=False)
+                # a service restarted since the group was formed (it has none): form it again, once
+                if attempt == 0 and e.code() == grpc.StatusCode.FAILED_PRECONDITION and \
+                        "InitWeightTransfer first" in (e.details() or ""):
+                    continue
+                raise
+            except Exception as e:
+                sync.abort()
+                self._drop_transfer(shutdown=False)
+                # the broadcast failed: a service that went away says so here (UNAVAILABLE: a rollout fault the
+                # loop recovers from by waiting for it and pushing again)
+                for c in self.clients:
+                    try:
+                        c.info(timeout_s=30)
+                    except grpc.RpcError as gone:
+                        raise gone from e
+                raise
+            break
+        for j, resp in enumerate(sync.finished):
+            target = sync.targets[j]
+            if resp.version != target:
+                raise RuntimeError(f"rollout service {self.clients[j].address} reports version {resp.version} "
+                                   f"after a push of {target}")
+            if target == 1 or target - 1 not in self.versions[j]:
+                self.versions[j] = {}  # a restarted service: its old numbers now name other weights
+            self.versions[j][target] = version
+        self.last_swap = {"swap_drain_s": 0.0, "swap_apply_s": max(r.apply_s for r in sync.finished),
+                          "push_shm_services": 0.0}
+        self.last_transfer = dict(getattr(self._transfer, "last_stats", {}))
+
+    def _join_transfer(self, module: torch.nn.Module) -> None:
+        """Form the process group of this trainer's rank 0 and every service's workers (trainer_init)."""
+        from forkrl.remote.rollout import RolloutWeightSync
+
+        backend = self._transfer_backend()
+        if backend is None:
+            raise _TransferUnavailable("a rollout service does not offer this trainer's weight-transfer backend")
+        if backend == "nccl" and next(module.parameters()).device.type != "cuda":
+            raise _TransferUnavailable("the nccl weight transfer needs the model on a GPU")
+        workers = [c.info().engine.weight_transfer_workers for c in self.clients]
+        host, port = transfer_address()
+        sync = RolloutWeightSync(self.clients, self.run_id, backend, workers)
+        source = lockstep_source(module, lambda: None)
+        try:
+            if backend == "gloo":
+                from forkrl.weights.transfer_gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+
+                info = GlooTrainerInitInfo(host, port, 1 + sum(workers), rank=0)
+                engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=sync, source=source)
+            else:
+                engine = _nccl_engine(host, port, 1 + sum(workers), sync, source)
+        except (grpc.RpcError, OSError, RuntimeError, ValueError) as e:
+            sync.shutdown()
+            raise _TransferUnavailable(f"joining the weight-transfer group at {host}:{port} ({TRANSFER_ADDRESS_ENV}) "
+                                       f"failed ({type(e).__name__}: {e})") from e
+        log.info("weight sync: %s weight-transfer group of this trainer and %d worker(s), rendezvous at %s:%s",
+                 backend, sum(workers), host, getattr(engine, "port", port))
+        self._transfer, self._sync = engine, sync
+
+    def _drop_transfer(self, shutdown: bool) -> None:
+        engine, sync, self._transfer, self._sync = self._transfer, self._sync, None, None
+        if engine is not None:
+            engine.shutdown()
+        if sync is not None and shutdown:
+            sync.shutdown()
+
+
+def _trainer_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class _TransferUnavailable(Exception):
+    """The transfer route cannot be used with these services (auto falls back to the other routes)."""
+
+
+def transfer_address() -> tuple[str, int]:
+    """(host, port) of the transfer route's rendezvous from TRAINER_TRANSFER_ADDRESS ("host" or "host:port"; port 0
+    or none: a free one); default 127.0.0.1."""
+    value = os.environ.get(TRANSFER_ADDRESS_ENV, "").strip() or "127.0.0.1"
+    if value.startswith("["):  # [IPv6] or [IPv6]:port
+        host, _, rest = value[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif value.count(":") == 1:
+        host, port = value.split(":")
+    else:  # a name, an IPv4 address, or a bare IPv6 address
+        host, port = value, ""
+    try:
+        number = int(port or 0)
+    except ValueError:
+        raise ValueError(f"{TRANSFER_ADDRESS_ENV} must be host or host:port, got {value!r}") from None
+    if not 0 <= number < 65536:
+        raise ValueError(f"{TRANSFER_ADDRESS_ENV}: port must be in [0, 65535], got {number}")
+    return host, number
+
+
+def lockstep_source(module: torch.nn.Module, on_transfer: Callable[[], None]) -> Any:
+    """vLLM's ModuleSource over `module` that calls `on_transfer` when an iteration begins: the other ranks of a
+    sharded model then join the gathers of exactly the iterations rank 0 runs (once the services accepted the
+    push). The same order on every rank: named_parameters(), one all-gather per parameter."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    class LockstepSource(ModuleSource):
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            on_transfer()
+            yield from super().__iter__()
+
+    return LockstepSource(module)
+
+
+def join_transfer(module: torch.nn.Module) -> None:
+    """A rank > 0 of a sharded trainer, told "transfer" by rank 0: take part in the gathers of rank 0's push (the
+    same iteration, every parameter all-gathered in turn and dropped)."""
+    for _ in lockstep_source(module, lambda: None):
+        pass
+
+
+def _nccl_engine(host: str, port: int, world_size: int, sync: Any, source: Any) -> Any:
+    """vLLM's own NCCL trainer engine (GPU): the same client and source; its rendezvous needs a fixed port."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    if not port:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    engine = WeightTransferTrainerFactory.trainer_init(NCCLTrainerInitInfo(host, port, world_size, rank=0),
+                                                       client=sync, source=source)
+    engine.port = port
+    return engine
 
 
 @functools.lru_cache(maxsize=256)

@@ -80,16 +80,18 @@ def check_bounds(cfg: Any, rules: RunRules) -> None:
                          f"{cfg.group_size} x max_new_tokens {cfg.max_new_tokens}{times} = {tokens:,} tokens, more "
                          f"than this trainer's max_step_tokens {rules.max_step_tokens:,}; "
                          + _raise_it("max_step_tokens", tokens))
-    evals = cfg.eval_prompts * cfg.max_new_tokens  # eval_every 0 still evaluates before and after
+    sets = max(1, len(getattr(cfg, "eval_dataset", [])))  # eval_prompts of each benchmark file
+    evals = cfg.eval_prompts * sets * cfg.max_new_tokens  # eval_every 0 still evaluates before and after
     if evals > rules.max_eval_tokens:
-        raise ValueError(f"one evaluation may generate eval_prompts {cfg.eval_prompts} x max_new_tokens "
+        files = f" x {sets} eval_dataset files" if sets > 1 else ""
+        raise ValueError(f"one evaluation may generate eval_prompts {cfg.eval_prompts}{files} x max_new_tokens "
                          f"{cfg.max_new_tokens} = {evals:,} tokens, more than this trainer's max_eval_tokens "
                          f"{rules.max_eval_tokens:,}; " + _raise_it("max_eval_tokens", evals))
 
 
-def confine_run(cfg: Any, rules: RunRules) -> dict[str, str]:
-    """Check a RunConfig against the rules; returns the fields to replace (the real paths of model, dataset and
-    run_dir). Runs before the reward is imported and before any path is opened; the caps of one step
+def confine_run(cfg: Any, rules: RunRules) -> dict[str, Any]:
+    """Check a RunConfig against the rules; returns the fields to replace (the real paths of model, dataset,
+    eval_dataset and run_dir). Runs before the reward is imported and before any path is opened; the caps of one step
     (check_bounds) first."""
     check_bounds(cfg, rules)
     if cfg.reward and cfg.reward not in BUILTIN_REWARD_NAMES and not rules.allow_custom_rewards:
@@ -101,11 +103,14 @@ def confine_run(cfg: Any, rules: RunRules) -> dict[str, str]:
             raise NotAllowed(f"rollout address {address!r} is not one of the trainer's rollout_addresses "
                              f"{list(rules.rollout_addresses)} (--rollout-addresses, TRAINER_ROLLOUT_ADDRESSES): "
                              "the trainer sends prompts and weights only to the services it is configured with")
-    updates: dict[str, str] = {}
+    updates: dict[str, Any] = {}
     if cfg.model:
         updates["model"] = str(confine_path(cfg.model, rules.read_roots, "model", READ_ROOTS))
     if cfg.dataset:
         updates["dataset"] = str(confine_path(cfg.dataset, rules.read_roots, "dataset", READ_ROOTS))
+    if getattr(cfg, "eval_dataset", None):
+        updates["eval_dataset"] = [str(confine_path(p, rules.read_roots, "eval_dataset", READ_ROOTS))
+                                   for p in cfg.eval_dataset]
     if cfg.run_dir:
         run_dir = confine_path(cfg.run_dir, [rules.runs_root], "run_dir", RUNS_ROOT)
         if run_dir == rules.runs_root:

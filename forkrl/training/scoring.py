@@ -15,7 +15,7 @@ Seeds: round r of step s samples with run_seed("gen", seed, s, r), every evaluat
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -102,12 +102,21 @@ def score(reward_fn: RewardFn, groups: list[list[Any]], problems: list[Problem],
     return correctness, correctness + soft_overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_cache_len)
 
 
+Encode = Callable[[Sequence[Problem]], list[list[int]]]  # problems -> the prompt token ids (forkrl/data/prompts.py)
+
+
+def _prompts(problems: Sequence[Problem], encode: Encode | None) -> list[str] | list[list[int]]:
+    """What the rollout service samples from: the formatted token ids, or (encode None) the raw prompt texts."""
+    return encode(problems) if encode is not None else [p.prompt for p in problems]
+
+
 def collect_batch(rollouts: Rollouts, data: DataOrder, reward_fn: RewardFn, cfg: RunConfig, step: int,
-                  stop: Callable[[], bool] | None = None) -> ScoredBatch:
+                  encode: Encode | None = None, stop: Callable[[], bool] | None = None) -> ScoredBatch:
     """Sample and score cfg.prompts_per_step groups. With dynamic sampling (DAPO §3.3) only groups of mixed
     correctness (0 < #correct < G, decided on the reward function's grades *before* the overlong penalty, which
     would make an all-correct group of different lengths look mixed) are kept and the batch is refilled from
-    fresh prompts, for at most cfg.max_gen_batches rounds; the batch may then hold fewer groups (or none)."""
+    fresh prompts, for at most cfg.max_gen_batches rounds; the batch may then hold fewer groups (or none).
+    `encode`: the run's prompt format (the service gets token ids); None = the raw texts."""
     t0 = time.perf_counter()
     groups: list[list[Any]] = []
     problems: list[Problem] = []
@@ -117,7 +126,7 @@ def collect_batch(rollouts: Rollouts, data: DataOrder, reward_fn: RewardFn, cfg:
     while True:
         _check_stop(stop, f"generation round {rounds + 1} of step {step}")
         batch_probs = data.take(cfg.prompts_per_step)
-        g = rollouts.generate([p.prompt for p in batch_probs], n=cfg.group_size, temperature=cfg.temperature,
+        g = rollouts.generate(_prompts(batch_probs, encode), n=cfg.group_size, temperature=cfg.temperature,
                               max_new_tokens=cfg.max_new_tokens, seed=run_seed("gen", cfg.seed, step, rounds))
         ts = time.perf_counter()
         c, r = score(reward_fn, g, batch_probs, cfg)
@@ -142,15 +151,18 @@ def collect_batch(rollouts: Rollouts, data: DataOrder, reward_fn: RewardFn, cfg:
     return ScoredBatch(groups, problems, correctness, rewards, rounds, seen_groups, mixed_groups, t_gen, t_score)
 
 
-def evaluate(rollouts: Rollouts, reward_fn: RewardFn, problems: list[Problem], cfg: RunConfig,
+def evaluate(rollouts: Rollouts, reward_fn: RewardFn, problems: Sequence[Problem], cfg: RunConfig,
              samples: int = 4, per_prompt: dict[str, list[float]] | None = None,
-             stop: Callable[[], bool] | None = None) -> dict[str, float]:
+             encode: Encode | None = None, stop: Callable[[], bool] | None = None,
+             sampled: list[tuple[list[Any], list[float | None]]] | None = None) -> dict[str, float]:
     """Accuracy on eval prompts through the rollout service: sampled at T (n=samples) and greedy. With
     `per_prompt` (a dict), also fills per_prompt[name] with each prompt's accuracy (fraction of its samples
-    correct, in `problems` order): what a paired bootstrap over prompts needs (forkrl/training/curves.py)."""
+    correct, in `problems` order): what a paired bootstrap over prompts needs (forkrl/training/curves.py). With
+    `sampled` (a list), also appends each prompt's (trajectories sampled at T, their rewards), in `problems`
+    order: what the run report records (forkrl/report/record.py)."""
     if not problems:
         return {}
-    prompts = [p.prompt for p in problems]
+    prompts = _prompts(problems, encode)
     out = {}
     for name, temp, n in (("eval_accuracy", cfg.temperature, samples), ("eval_greedy_accuracy", 0.0, 1)):
         _check_stop(stop, f"the evaluation's {name}")
@@ -161,6 +173,9 @@ def evaluate(rollouts: Rollouts, reward_fn: RewardFn, problems: list[Problem], c
         rewards = reward_fn([t.completion_text for t in flat], probs).rewards
         ok = [1.0 if r is not None and r > 0 else 0.0 for r in rewards]
         out[name] = sum(ok) / len(ok)
+        if sampled is not None and name == "eval_accuracy":
+            starts = list(accumulate((len(g) for g in groups), initial=0))
+            sampled += [(list(g), list(rewards[a:a + len(g)])) for g, a in zip(groups, starts, strict=False)]
         if per_prompt is not None:
             ends = list(accumulate(len(g) for g in groups))
             per_prompt[name] = [sum(ok[e - len(g):e]) / len(g) if g else 0.0 for g, e in zip(groups, ends, strict=True)]

@@ -6,6 +6,7 @@ worker extension that reloads staged weights (it runs inside vLLM's worker proce
 
     files = checkpoint_files("runs/x/checkpoints/step_000020")   # top-level *.safetensors, never optimizer
     specs = read_checkpoint_specs(files[0].parent)                # {name: (dtype, shape)} from headers only
+    check_data_section(files[0])                                  # every tensor's bytes inside the file
     header = safetensors_prefix(metas)                            # then the raw bytes: a valid file
     for name, tensor in iter_safetensors(files): ...              # views of a private memory map
 """
@@ -13,6 +14,7 @@ worker extension that reloads staged weights (it runs inside vLLM's worker proce
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -128,3 +130,26 @@ def iter_safetensors(files: Sequence[str | os.PathLike]) -> Iterator[tuple[str, 
             raw = torch.frombuffer(mm, dtype=torch.uint8, count=end - start, offset=8 + n + start)
             yield name, raw.view(dtype).reshape(info["shape"])
         del mm  # closed once the last view is gone
+
+
+def check_data_section(path: str | os.PathLike) -> None:
+    """Every tensor's bytes lie inside the file and match its dtype and shape (WeightsError naming the tensor).
+
+    vLLM's in-place reload swaps each layer's parameters for placeholders first and restores them only
+    when the whole iterator was consumed: a file that fails half-way (truncated, a bad header) would leave
+    the model unable to take any later reload. So a file is checked completely before the reload starts (by the
+    rollout service before the engine is touched, and again by the worker extension)."""
+    header, n = read_header(path)
+    data = os.path.getsize(path) - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise WeightsError(f"{path}: tensor {name!r} has unknown dtype {info['dtype']!r}")
+        if not 0 <= start <= end <= data:
+            raise WeightsError(f"{path}: tensor {name!r} spans bytes [{start}, {end}) of a {data}-byte data section "
+                               "(a truncated file?)")
+        if end - start != math.prod(info["shape"]) * dtype.itemsize:
+            raise WeightsError(f"{path}: tensor {name!r} has {end - start} bytes for shape {info['shape']}")

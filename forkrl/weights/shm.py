@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
+from forkrl.weights.chunks import TensorMeta, tensor_metas
 from forkrl.weights.safetensors import safetensors_prefix
-from forkrl.weights.wire import TensorMeta, tensor_metas
 
 SYNC_DIR_ENV = "FORKRL_SYNC_DIR"
 

@@ -30,10 +30,11 @@ STEP_KEYS = ("loss", "pg_loss", "grad_norm", "kept_frac", "entropy_mean", "entro
              "logp_delta_mean", "clip_frac_low", "clip_frac_high")
 
 
-def _run(address: str, rollout: str, model: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+def _run(address: str, rollout: str, model: Path, run_dir: Path, *extra: str,
+         eval_prompts: int = 0) -> subprocess.CompletedProcess:
     cmd = start_run_argv(
         "--entropy-top-frac", "0.2", "--num-steps", "3", "--prompts-per-step", "8", "--group-size", "4",
-        "--eval-prompts", "0", "--micro-batch-size", "16", "--save-every", "3", "--run-dir", str(run_dir),
+        "--eval-prompts", str(eval_prompts), "--micro-batch-size", "16", "--save-every", "3", "--run-dir", str(run_dir),
         "--model", str(model), "--rollout-addresses", rollout, "--trainer-address", address, *extra)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
 
@@ -47,7 +48,7 @@ def test_a_two_rank_trainer_runs_and_its_first_step_equals_one_rank(tiny_model_d
                                log_path=tmp_path / "rollout.log") as rollout:
         with start_trainer_service(tmp_path / "runs1", log_path=tmp_path / "trainer1.log") as one:
             p1 = _run(one, rollout, tiny_model_dir, tmp_path / "runs1" / "one")
-            r1 = _run(one, rollout, tiny_model_dir, tmp_path / "runs1" / "recipe", *RECIPE)
+            r1 = _run(one, rollout, tiny_model_dir, tmp_path / "runs1" / "recipe", *RECIPE, eval_prompts=4)
         assert p1.returncode == 0, p1.stderr[-3000:]
         assert r1.returncode == 0, r1.stderr[-3000:]
         with start_trainer_service(tmp_path / "runs2", log_path=tmp_path / "trainer2.log", ranks=2) as two:
@@ -57,10 +58,11 @@ def test_a_two_rank_trainer_runs_and_its_first_step_equals_one_rank(tiny_model_d
             # --resume on the same 2 ranks: every rank reads its AdamW shards back (DCP) and trains step 4
             p3 = _run(two, rollout, tiny_model_dir, tmp_path / "runs2" / "two", "--resume", "--num-steps", "4")
             assert p3.returncode == 0, p3.stderr[-3000:] + (tmp_path / "trainer2.log").read_text()[-4000:]
-            r2 = _run(two, rollout, tiny_model_dir, tmp_path / "runs2" / "recipe", *RECIPE)
+            r2 = _run(two, rollout, tiny_model_dir, tmp_path / "runs2" / "recipe", *RECIPE, eval_prompts=4)
             assert r2.returncode == 0, r2.stderr[-3000:] + (tmp_path / "trainer2.log").read_text()[-4000:]
     assert "succeeded" in p2.stdout and "succeeded" in p3.stdout and "succeeded" in r2.stdout
     _check_the_recipe_run(tmp_path / "runs1" / "recipe", tmp_path / "runs2" / "recipe", ceiling)
+    _check_the_report_sample(tmp_path / "runs1" / "recipe", tmp_path / "runs2" / "recipe")
     assert "rank 1: run started" in (tmp_path / "trainer2.log").read_text()  # rank 1 followed rank 0
 
     lines1, lines2 = metric_lines(tmp_path / "runs1" / "one"), metric_lines(tmp_path / "runs2" / "two")
@@ -108,3 +110,26 @@ def _check_the_recipe_run(one: Path, two: Path, ceiling: float) -> None:
         assert abs(a[k] - b[k]) <= 4 * REL * max(1.0, abs(a[k])), (k, a[k], b[k])
     final = two / "checkpoints" / "final"
     assert read_state(final)["step"] == 3 and read_state(final)["world_size"] == 2
+
+
+def _check_the_report_sample(one: Path, two: Path) -> None:
+    """The run report's eval sample (forkrl/report/record.py) on 2 ranks: every rank joined the teacher-forced
+    forwards of the sharded policy ("tokens"), and at step 0 (the same initial weights, the same eval seeds) they
+    give the 1-rank trainer's entropies and log-probs within float32 rounding."""
+    import json
+    import math
+
+    def sample(run: Path, step: int) -> list[dict]:
+        lines = [json.loads(s) for s in (run / "eval_samples" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        return [r for r in lines if r["kind"] == "response"]
+
+    for run in (one, two):
+        assert sorted(p.name for p in (run / "eval_samples").glob("*.jsonl")) == ["step_000000.jsonl",
+                                                                                  "step_000003.jsonl"]
+        assert (run / "report.html").is_file()
+    a, b = sample(one, 0), sample(two, 0)
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b] and len(a) == 4
+    for ra, rb in zip(a, b, strict=True):
+        assert sum(rb["kept"]) == max(1, math.ceil(0.2 * rb["n_tokens"]))
+        for x, y in zip(ra["entropy"] + ra["logp"], rb["entropy"] + rb["logp"], strict=True):
+            assert abs(x - y) <= REL * max(1.0, abs(x)), (x, y)

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forkrl.security import http_headers
+from forkrl.remote.channel import http_headers
 from tests.service_fixtures import REPO_ROOT, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.isolated]  # its own stack, ports and data dir

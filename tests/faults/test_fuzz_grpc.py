@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from forkrl.security import grpc_channel
+from forkrl.remote.channel import grpc_channel
 from forkrl.wire.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.rollout.test_server_plumbing import MODEL, ServerThread

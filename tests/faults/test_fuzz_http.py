@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from starlette.routing import Route
 
 from forkrl.probe.params import ProbeParams
-from forkrl.security import http_headers
+from forkrl.remote.channel import http_headers
 from probe_service.app import create_app
 from probe_service.config import ProbeSettings
 from tests.service_fixtures import wait_until
@@ -161,6 +161,7 @@ def test_openapi_documents_every_status_and_content_type(tmp_path: Path) -> None
         ("GET", "/probe/{job_id}/manifest"): {200, 404, 409},
         ("GET", "/probe/{job_id}/plot.png"): {200, 404, 409, 422},
         ("GET", "/probe/{job_id}/overlap.png"): {200, 404, 409},
+        ("GET", "/probe/{job_id}/report"): {200, 404, 409},
         ("DELETE", "/probe/{job_id}"): {200, 202, 404, 409},
         ("GET", "/metrics"): {200},
     }
@@ -180,6 +181,7 @@ def test_openapi_documents_every_status_and_content_type(tmp_path: Path) -> None
     assert content[("GET", "/probe/{job_id}/overlap.png")] == {"image/png"}
     assert content[("GET", "/metrics")] == {"text/plain"}
     assert content[("GET", "/probe/{job_id}/manifest")] == {"application/json"}
+    assert content[("GET", "/probe/{job_id}/report")] == {"text/html"}
     assert documented[("GET", "/healthz")].keys() == {"200"}
 
 

@@ -4,20 +4,13 @@ probe_service` under uvicorn, HTTP through httpx."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 
-import httpx
 import pytest
 
-from forkrl.security import http_headers
-from tests.service_fixtures import REPO_ROOT, free_port, kill_group, wait_until
+from tests.service_fixtures import start_probe_service, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.isolated]
 
@@ -27,45 +20,11 @@ BIG = {"sampler": "transformers", "steps": [1], "num_prompts": 512, "group_size"
 SMALL = {**BIG, "num_prompts": 4, "group_size": 4, "max_positions_per_group": 4}
 
 
-@contextlib.contextmanager
-def probe_service(root: Path, jobs: Path, log: Path) -> Iterator[httpx.Client]:
-    for _ in range(5):  # free_port is racy: another process may take the port before uvicorn binds it
-        port = free_port()
-        with open(log, "ab") as f:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "probe_service", "--port", str(port), "--allowed-roots", str(root),
-                 "--jobs-dir", str(jobs), "--max-concurrent-jobs", "1", "--max-queued-jobs", "4", "--threads", "1",
-                 "--device", "cpu", "--log-level", "warning"],
-                cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"})
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, headers=http_headers())
-
-        def up(proc: subprocess.Popen = proc, client: httpx.Client = client) -> bool:
-            if proc.poll() is not None:
-                return True
-            with contextlib.suppress(httpx.HTTPError):
-                return client.get("/healthz").status_code == 200
-            return False
-
-        wait_until(up, 120, "the probe service to answer /healthz", every_s=0.1)
-        if proc.poll() is None:
-            break
-        client.close()
-    else:
-        raise RuntimeError(f"the probe service did not start; log:\n{log.read_text()[-3000:]}")
-    client.process = proc  # type: ignore[attr-defined]
-    try:
-        yield client
-    finally:
-        client.close()
-        kill_group(proc, 10)
-
-
 def test_jobs_queued_or_running_at_a_kill_are_reported_failed_after_the_restart(tiny_model_dir, tmp_path):
     root = tmp_path / "run" / "checkpoints"
     shutil.copytree(tiny_model_dir, root / "step_000001", ignore=shutil.ignore_patterns("forkrl_build.json"))
     jobs, log = tmp_path / "jobs", tmp_path / "probe.log"
-    with probe_service(tmp_path, jobs, log) as client:
+    with start_probe_service(tmp_path, jobs, log, max_concurrent_jobs=1, max_queued_jobs=4) as client:
         running = client.post("/probe", json={"checkpoint_root": str(root), **BIG})
         assert running.status_code == 202, running.text
         wait_until(lambda: client.get(f"/probe/{running.json()['id']}").json()["state"] == "running", 120,
@@ -77,7 +36,7 @@ def test_jobs_queued_or_running_at_a_kill_are_reported_failed_after_the_restart(
         client.process.wait(10)  # type: ignore[attr-defined]
     ids = [running.json()["id"]] + [r.json()["id"] for r in queued]
 
-    with probe_service(tmp_path, jobs, log) as client:
+    with start_probe_service(tmp_path, jobs, log, max_concurrent_jobs=1, max_queued_jobs=4) as client:
         states = {i: client.get(f"/probe/{i}").json() for i in ids}
         assert {i: s["state"] for i, s in states.items()} == dict.fromkeys(ids, "failed")
         assert "while the job was running" in states[ids[0]]["error"]

@@ -3,17 +3,18 @@ its weights again, redoes the step in progress and ends SUCCEEDED with every ste
 samples of the policy it had pushed (metrics.jsonl). Real processes: the vLLM rollout service and the trainer
 service; the run is small (the embedded tiny model, 8 steps of 8 prompts x 4 samples), sync and async (k = 1).
 And a rollout that never comes back: the run fails after its bounded wait, with a checkpoint of its last trained
-step."""
+step. And no orphans: SIGKILL of the service's main process leaves none of the processes it started running."""
 
 from __future__ import annotations
 
 import os
 import signal
 import statistics
+from pathlib import Path
 
 import pytest
 
-from forkrl.clients.rollout import RolloutClient
+from forkrl.remote.rollout import RolloutClient
 from forkrl.training.config import RunConfig, to_proto
 from forkrl.weights.checkpoint import latest_checkpoint, read_state
 from forkrl.wire.trainer.v1 import trainer_pb2
@@ -107,3 +108,54 @@ def test_a_run_whose_rollout_never_returns_fails_with_a_checkpoint_and_resumes(t
         assert run.state == trainer_pb2.RUN_STATE_SUCCEEDED, run.error
         assert [i.metrics.step for i in items if i.HasField("metrics")] == list(range(done[-1] + 1, STEPS + 1))
     assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, STEPS + 1))
+
+
+def _processes() -> dict[int, tuple[int, int, str]]:
+    """Every live process: pid -> (parent pid, start time, name), from /proc; zombies left out."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            head, rest = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = rest.split()
+        if fields[0] not in ("Z", "X"):
+            out[int(stat.parent.name)] = (int(fields[1]), int(fields[19]), head.split("(", 1)[1])
+    return out
+
+
+def _descendants(root: int) -> dict[tuple[int, int], str]:
+    """(pid, start time) -> name of every live descendant of `root`: an identity a reused pid does not share."""
+    procs = _processes()
+    found: dict[tuple[int, int], str] = {}
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, started, name) in procs.items():
+            if ppid == parent and (pid, started) not in found:
+                found[(pid, started)] = name
+                frontier.append(pid)
+    return found
+
+
+@pytest.mark.parametrize("engine_mode", ["uni", "mp"])
+def test_sigkill_of_the_rollout_leaves_none_of_its_processes(tiny_model_dir, tmp_path, engine_mode):
+    """kill -9 of the service's main process: its vLLM engine core (and with --engine-mode mp its worker) and the
+    multiprocessing resource tracker end too (the engine processes watch the service, forkrl/runtime.py; the
+    tracker exits once no process holds its pipe). The budget only a hang exceeds."""
+    with start_rollout_service(tiny_model_dir, log_path=tmp_path / "rollout.log", kv_cache_gib=1,
+                               engine_mode=engine_mode, staging_dir=tmp_path / "staging") as address:
+        main = address.process.pid
+        children = _descendants(main)
+        names = sorted(children.values())
+        assert sum(n.startswith("VLLM::EngineCor") for n in names) == 1, names
+        if engine_mode == "mp":
+            assert len(children) >= 3, names  # the engine core, its worker, the resource tracker
+        os.kill(main, signal.SIGKILL)  # the main process only: not its group
+        address.process.wait(60)
+
+        def gone() -> bool:
+            live = _processes()
+            return not any(pid in live and live[pid][1] == started for pid, started in children)
+
+        wait_until(gone, 120, f"the processes the killed rollout service started ({names}) to end", every_s=0.2)

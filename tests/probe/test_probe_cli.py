@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from markupsafe import escape
 from safetensors.torch import load_file, save_file
 
 from forkrl.probe.__main__ import main
@@ -64,7 +65,7 @@ def test_seed_usage_line_and_its_record_count(root: Path, tmp_path: Path, monkey
     monkeypatch.setenv("RL_DATASET_PATH", str(data))
     out = tmp_path / "out"
     argv = ["--checkpoint-root", str(root), *SEED_FLAGS, "--num-prompts", "4", "--bootstrap", "20",
-            "--output-dir", str(out), "--no-progress"]  # fmt: skip
+            "--output-dir", str(out), "--no-progress", "--report"]  # fmt: skip
     assert main(argv) == 0
     summary, records, manifest = _read(out)
     assert summary["settings"]["dataset"] == str(data) and summary["settings"]["max_new_tokens"] == 2048
@@ -94,6 +95,12 @@ def test_seed_usage_line_and_its_record_count(root: Path, tmp_path: Path, monkey
     assert summary["bins"]["frozen_from"] == "step_000001"
     assert summary["entropy_pattern_overlap"]["overlap"]["step_000001"] == 1.0
     assert (out / "entropy_overlap.png").is_file() and "entropy_overlap.png" in manifest["files"]
+    # --report: the job's page (forkrl/report), with the caveat and a chart per parameter x row set
+    page = (out / "report.html").read_text()
+    assert str(escape(summary["caveat"])) in page and page.count('<figure class="chart"') == len(params) * n_rows
+    # each record carries its token's context: the text before it ends the prompt + response up to the token
+    assert all(isinstance(x["context_before"], str) and isinstance(x["context_after"], str) for x in records)
+    assert all(x["context_before"] for x in records)  # at least the prompt
 
 
 def test_per_token_records_and_blocks(root: Path, tmp_path: Path):

@@ -23,9 +23,10 @@ import httpx
 import pytest
 import torch
 import uvicorn
+from markupsafe import escape
 from safetensors.torch import load_file, save_file
 
-from forkrl.security import http_headers
+from forkrl.remote.channel import http_headers
 from probe_service.app import create_app
 from probe_service.config import ProbeSettings
 from tests.service_fixtures import build_random_llama, wait_until
@@ -219,6 +220,14 @@ def test_job_end_to_end_and_wait(env):
     assert png.status_code == 200 and png.content[:8] == b"\x89PNG\r\n\x1a\n"
     png = client.get(f"/probe/{job_id}/overlap.png")
     assert png.status_code == 200 and png.content[:8] == b"\x89PNG\r\n\x1a\n"
+    # the job's report: one self-contained page, the same as the core renders from the job's files
+    from forkrl.report.probe_page import render_probe_report
+
+    page = client.get(f"/probe/{job_id}/report")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.text == render_probe_report(out) and str(escape(summary["caveat"])) in page.text
+    assert st["links"]["report"].endswith(f"/probe/{job_id}/report")
+    assert client.get("/probe/no-such-job/report").status_code == 404
     missing_plot = client.get(f"/probe/{job_id}/plot.png", params={"checkpoint": "step_000005"})
     assert missing_plot.status_code == 404 and "step_000001" in missing_plot.json()["detail"]
     assert client.delete(f"/probe/{job_id}").status_code == 409  # already finished
@@ -357,6 +366,7 @@ def test_failed_job_reports_its_error(env):
     st = client.get(f"/probe/{r.json()['id']}").json()
     assert st["state"] == "failed" and "no_such_architecture" in st["error"] and st["summary"] is None
     assert client.get(f"/probe/{st['id']}/manifest").status_code == 409
+    assert client.get(f"/probe/{st['id']}/report").status_code == 409
 
 
 def test_queue_limit_429_and_cancel(env):

@@ -53,6 +53,42 @@ def test_vllm_samples_are_well_formed_and_seeded(tiny_model_dir, tok):
     assert len(notes) == 1 and "max_position_embeddings" in notes[0]
 
 
+def test_engines_in_worker_threads_take_turns_and_leave_torch_as_they_found_it(tiny_model_dir, tok):
+    """What the probe service's job workers do: two jobs sample with vLLM at once, each in its own thread. A second
+    in-process engine built while one lives fails (vLLM's model-parallel groups are process-global), so they
+    take turns (engines.py's lock); each gives what it gives alone. vLLM's CPU worker replaces
+    torch.set_num_threads with a no-op process-wide: afterwards torch's own function and the thread count are
+    back, and no engine is left alive (its weights and KV cache are freed with it)."""
+    import gc
+    import threading
+
+    import torch
+    from vllm import LLM
+
+    ids = encode_prompts(tok, PROMPTS[:2], chat_template=False)
+    kw = dict(group_size=2, temperature=1.0, max_new_tokens=8, seed=3, eos_ids=[tok.eos_token_id])
+    set_num_threads, n_threads = torch.set_num_threads, torch.get_num_threads()
+    got: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+
+    def job(k: int) -> None:
+        try:
+            got[k] = [t.response_ids for t in sample_with_vllm(tiny_model_dir, ids, **kw)]
+        except BaseException as e:  # reported below, with the other thread's
+            errors.append(e)
+
+    workers = [threading.Thread(target=job, args=(k,), name=f"probe-job-{k}") for k in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
+    assert got[0] == got[1] and len(got[0]) == 4
+    assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == n_threads
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, LLM)]
+
+
 def _run(ckpt_root: Path, out: Path, sampler: str) -> tuple[dict, list[dict], dict]:
     argv = ["--checkpoint-root", str(ckpt_root), "--steps", "1", "--num-prompts", "6", "--num-samples", "2",
             "--max-new-tokens", "24", "--entropy-bins", "3", "--max-positions-per-group", "4",

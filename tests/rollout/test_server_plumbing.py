@@ -27,11 +27,11 @@ import torch
 from grpc_health.v1 import health_pb2
 from safetensors.torch import load_file, save_file
 
-from forkrl.clients.rollout import RolloutClient
-from forkrl.security import grpc_channel
+from forkrl.remote.channel import grpc_channel
+from forkrl.remote.rollout import RolloutClient
 from forkrl.seeds import sample_seed
+from forkrl.weights.chunks import pack_state_dict
 from forkrl.weights.safetensors import checkpoint_files
-from forkrl.weights.wire import pack_state_dict
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 from rollout_service.config import RolloutSettings
@@ -56,7 +56,8 @@ class FakeBackend:
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self.engine_settings = {"dtype": "float32", "device": "fake", "engine_mode": "fake"}
+        self.engine_settings = {"dtype": "float32", "device": "fake", "engine_mode": "fake",
+                                "weight_transfer_backend": "gloo", "weight_transfer_workers": 1}
         self.running: set[str] = set()
         self.finished: list[str] = []
         self.aborted: list[str] = []
@@ -69,6 +70,7 @@ class FakeBackend:
         self.reload_gate: asyncio.Event | None = None
         self.fail_reload: Exception | None = None
         self.dead = False
+        self.transfer_calls: list[tuple[str, Any]] = []  # vLLM's weight-transfer API, in call order
 
     def encode(self, text: str) -> list[int]:
         self.encoded.append(text)
@@ -104,6 +106,25 @@ class FakeBackend:
         if before_resume is not None:
             before_resume()
 
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        self.transfer_calls.append(("init", init_info))
+
+    async def start_weight_update(self) -> None:
+        self.transfer_calls.append(("start", None))
+
+    async def update_weights(self, update_info: dict) -> None:
+        self.transfer_calls.append(("update", update_info))
+
+    async def finish_weight_update(self, version: int, before_resume: Any) -> None:
+        self.transfer_calls.append(("finish", version))
+        before_resume()
+
+    async def abort_weight_update(self) -> None:
+        self.transfer_calls.append(("abort", None))
+
+    async def shutdown_weight_transfer(self) -> None:
+        self.transfer_calls.append(("shutdown", None))
+
     def num_unfinished(self) -> int:
         return len(self.running)
 
@@ -135,7 +156,7 @@ class ServerThread:
             wait_until(lambda: self.servicer.engine is not None, 30, "the fake engine to load")
 
     def run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
 
     def event(self) -> asyncio.Event:
         async def make() -> asyncio.Event:
@@ -192,8 +213,8 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def client(server: ServerThread) -> Iterator[RolloutClient]:
-    c = RolloutClient(server.address, timeout_s=20)
-    c.wait_ready(10)
+    c = RolloutClient(server.address, timeout_s=120)
+    c.wait_ready(120)
     yield c
     c.close()
 
@@ -207,12 +228,13 @@ def _code_and_message(fn: Any) -> tuple[grpc.StatusCode, str]:
 def test_not_serving_and_unavailable_while_loading(model_dir: Path, tmp_path: Path):
     server = ServerThread(model_dir, tmp_path / "staging", hold_load=True)
     try:
-        with RolloutClient(server.address, timeout_s=20) as client:
+        # no retries: UNAVAILABLE comes back at once; the deadline is one only a hang exceeds
+        with RolloutClient(server.address, timeout_s=120, max_retries=0) as client:
             assert client.health() == NOT_SERVING
-            code, msg = _code_and_message(lambda: client.info(timeout_s=1))
+            code, msg = _code_and_message(lambda: client.info(timeout_s=60))
             assert code == grpc.StatusCode.UNAVAILABLE and "loading" in msg
             server.set(server.load_gate)
-            client.wait_ready(timeout_s=10)
+            client.wait_ready(timeout_s=120)
             assert client.health() == SERVING
             assert client.info().version == 0
     finally:
@@ -275,7 +297,7 @@ def test_missing_sampling_and_prompt_without_input(server: ServerThread):
                 "prompts[0] has neither text nor token_ids",
             ),
         ]:
-            code, msg = _code_and_message(lambda req=req: list(stub.Generate(req, timeout=5)))
+            code, msg = _code_and_message(lambda req=req: list(stub.Generate(req, timeout=60)))
             assert (code, msg) == (grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
@@ -288,9 +310,9 @@ def test_cancel_aborts_unfinished_samples(server: ServerThread, client: RolloutC
     try:
         stream = client.generate([[1], [2]], n=4, max_new_tokens=4, seed=0)
         assert next(stream).sample_index == 0
-        wait_until(lambda: len(backend.finished) == finished_before + 2, 10, "both samples 0 to finish")
+        wait_until(lambda: len(backend.finished) == finished_before + 2, 120, "both samples 0 to finish")
         stream.close()  # the client cancels the call with 6 samples still running
-        wait_until(lambda: client.info().counters.running_requests == 0, 10, "the engine to be idle")
+        wait_until(lambda: client.info().counters.running_requests == 0, 120, "the engine to be idle")
     finally:
         backend.hold_from_sample = None
         server.set(backend.sample_gate)
@@ -303,7 +325,7 @@ def test_cancel_aborts_unfinished_samples(server: ServerThread, client: RolloutC
 def _push(
     stub: pb_grpc.RolloutServiceStub, messages: list[pb.UpdateWeightsRequest]
 ) -> pb.UpdateWeightsResponse:
-    return stub.UpdateWeights(iter(messages), timeout=10)
+    return stub.UpdateWeights(iter(messages), timeout=60)
 
 
 def _messages(state: dict[str, torch.Tensor], version: int, chunk_bytes: int = 64, **override: Any):
@@ -417,14 +439,14 @@ def test_cancelled_stream_changes_nothing(server: ServerThread, client: RolloutC
         with grpc_channel(server.address) as ch:
             fut = pb_grpc.RolloutServiceStub(ch).UpdateWeights.future(slow(), timeout=30)
             # the header passed the checks and the service is staging the payload: cancel mid-stream
-            wait_until(server.staged, 10, "a staging file")
+            wait_until(server.staged, 120, "a staging file")
             fut.cancel()
             wait_until(lambda: client.info().counters.rejected_weight_updates == rejected + 1, 10,
                        "the service to see the cancel")
     finally:
         release.set()
     assert client.info().version == version and server.backend.reloads_started == reloads_before
-    wait_until(lambda: server.staged() == [], 10, "the staging file to be removed")
+    wait_until(lambda: server.staged() == [], 120, "the staging file to be removed")
 
 
 def test_swap_is_not_serving_and_later_generates_wait(server: ServerThread, client: RolloutClient):
@@ -444,18 +466,18 @@ def test_swap_is_not_serving_and_later_generates_wait(server: ServerThread, clie
     reloads = backend.reloads_started
     try:
         pusher.start()
-        wait_until(lambda: backend.reloads_started == reloads + 1, 10, "the reload to start")
+        wait_until(lambda: backend.reloads_started == reloads + 1, 120, "the reload to start")
         t_reload_seen = time.perf_counter()
         assert client.health() == NOT_SERVING  # the reload is in progress (held)
         gen.start()
-        wait_until(lambda: len(backend.encoded) == encoded + 1, 10, "the Generate call to reach the engine")
+        wait_until(lambda: len(backend.encoded) == encoded + 1, 120, "the Generate call to reach the engine")
         # it is inside the engine but has not passed the gate (requests count once through it)
         assert client.info().counters.requests == requests and not late
     finally:
         t_release = time.perf_counter()
         server.set(backend.reload_gate)
-        pusher.join(10)
-        gen.join(10)
+        pusher.join(120)
+        gen.join(120)
         backend.reload_gate = None
     assert result["v"] == version + 1 and client.health() == SERVING
     assert [t.policy_version for t in late] == [version + 1] * 2  # sampled after the swap, not before
@@ -470,12 +492,12 @@ def test_a_reload_that_fails_half_way_is_not_serving_until_a_good_push(own_serve
     backend = own_server.backend
     assert backend is not None
     backend.fail_reload = RuntimeError("worker lost the file half-way")
-    with RolloutClient(own_server.address, timeout_s=20) as client:
+    with RolloutClient(own_server.address, timeout_s=120) as client:
         code, msg = _code_and_message(lambda: client.update_weights({k: v * 2 for k, v in MODEL.items()}, 1))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "worker lost the file half-way" in msg
         # the served weights are unknown: not serving, no samples, the version not bumped
         assert client.health() == NOT_SERVING and client.info().version == 0
-        code, msg = _code_and_message(lambda: list(client.generate([[1]], n=1, max_new_tokens=1, timeout_s=5)))
+        code, msg = _code_and_message(lambda: list(client.generate([[1]], n=1, max_new_tokens=1, timeout_s=60)))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "reload failed half-way" in msg
         # a good push repairs it
         backend.fail_reload = None
@@ -493,10 +515,10 @@ def test_a_cancel_during_the_reload_still_commits_the_version(own_server: Server
     assert backend is not None
     new = {k: v * 4 for k, v in MODEL.items()}
     backend.reload_gate = own_server.event()
-    with RolloutClient(own_server.address, timeout_s=20) as client, grpc_channel(own_server.address) as ch:
+    with RolloutClient(own_server.address, timeout_s=120) as client, grpc_channel(own_server.address) as ch:
         fut = pb_grpc.RolloutServiceStub(ch).UpdateWeights.future(iter(_messages(new, 1)), timeout=30)
         try:
-            wait_until(lambda: backend.reloads_started == 1, 10, "the reload to start")
+            wait_until(lambda: backend.reloads_started == 1, 120, "the reload to start")
             rejected = client.info().counters.rejected_weight_updates
             fut.cancel()
             assert fut.cancelled()
@@ -505,11 +527,11 @@ def test_a_cancel_during_the_reload_still_commits_the_version(own_server: Server
             assert client.health() == NOT_SERVING and client.info().version == 0  # still reloading
         finally:
             own_server.set(backend.reload_gate)
-        wait_until(lambda: client.health() == SERVING, 10, "SERVING after the reload")
+        wait_until(lambda: client.health() == SERVING, 120, "SERVING after the reload")
         assert client.info().version == 1
         assert torch.equal(backend.reloaded[-1]["embed.weight"], new["embed.weight"])
         assert [t.policy_version for t in client.generate([[1]], n=1, max_new_tokens=1)] == [1]
-    wait_until(lambda: own_server.staged() == [], 10, "the staging file to be removed")
+    wait_until(lambda: own_server.staged() == [], 120, "the staging file to be removed")
 
 
 def test_a_cancel_while_draining_still_reloads_the_staged_weights(own_server: ServerThread):
@@ -519,13 +541,13 @@ def test_a_cancel_while_draining_still_reloads_the_staged_weights(own_server: Se
     assert backend is not None
     backend.sample_gate, backend.hold_from_sample = own_server.event(), 0
     new = {k: v * 5 for k, v in MODEL.items()}
-    with RolloutClient(own_server.address, timeout_s=20) as client, grpc_channel(own_server.address) as ch:
+    with RolloutClient(own_server.address, timeout_s=120) as client, grpc_channel(own_server.address) as ch:
         sampler = threading.Thread(target=lambda: list(client.generate([[1]], n=1, max_new_tokens=1)))
         sampler.start()
         try:
-            wait_until(lambda: backend.running, 10, "a sample in the engine")
+            wait_until(lambda: backend.running, 120, "a sample in the engine")
             fut = pb_grpc.RolloutServiceStub(ch).UpdateWeights.future(iter(_messages(new, 1)), timeout=30)
-            wait_until(lambda: client.health() == NOT_SERVING, 10, "the swap to close the gate")
+            wait_until(lambda: client.health() == NOT_SERVING, 120, "the swap to close the gate")
             rejected = client.info().counters.rejected_weight_updates
             fut.cancel()
             assert fut.cancelled()
@@ -535,11 +557,11 @@ def test_a_cancel_while_draining_still_reloads_the_staged_weights(own_server: Se
         finally:
             backend.hold_from_sample = None
             own_server.set(backend.sample_gate)
-            sampler.join(10)
-        wait_until(lambda: client.health() == SERVING, 10, "SERVING after the reload")
+            sampler.join(120)
+        wait_until(lambda: client.health() == SERVING, 120, "SERVING after the reload")
         assert client.info().version == 1
         assert torch.equal(backend.reloaded[-1]["embed.weight"], new["embed.weight"])
-    wait_until(lambda: own_server.staged() == [], 10, "the staging file to be removed")
+    wait_until(lambda: own_server.staged() == [], 120, "the staging file to be removed")
 
 
 def test_load_weights_checks_the_directory(tmp_path: Path, client: RolloutClient, server: ServerThread):
@@ -562,6 +584,27 @@ def test_load_weights_checks_the_directory(tmp_path: Path, client: RolloutClient
     assert torch.equal(server.backend.reloaded[-1]["norm.weight"], MODEL["norm.weight"] * 5)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_weights_are_refused_before_the_engine(tmp_path: Path, client: RolloutClient,
+                                                          server: ServerThread, bad: float):
+    """UpdateWeights and LoadWeights refuse a NaN or inf in any tensor with INVALID_ARGUMENT naming it; the
+    engine never sees the weights and the version stays."""
+    assert server.backend is not None
+    info = client.info()
+    version, rejected, reloads = info.version, info.counters.rejected_weight_updates, server.backend.reloads_started
+    state = {k: v.clone() for k, v in MODEL.items()}
+    state["norm.weight"][3] = bad
+    code, msg = _code_and_message(lambda: client.update_weights(state, version + 1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "tensor 'norm.weight' holds NaN or inf" in msg, msg
+    save_file(state, str(tmp_path / "model.safetensors"))
+    code, msg = _code_and_message(lambda: client.load_weights(str(tmp_path), version + 1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "tensor 'norm.weight' holds NaN or inf" in msg, msg
+    info = client.info()
+    assert info.version == version and info.counters.rejected_weight_updates == rejected + 2
+    assert server.backend.reloads_started == reloads and client.health() == SERVING
+    wait_until(lambda: server.staged() == [], 120, "the staging file to be removed")
+
+
 def test_samples_finishing_together_share_a_message(server: ServerThread):
     backend = server.backend
     assert backend is not None
@@ -573,13 +616,13 @@ def test_samples_finishing_together_share_a_message(server: ServerThread):
     try:
         with grpc_channel(server.address) as ch:
             call = threading.Thread(
-                target=lambda: responses.extend(pb_grpc.RolloutServiceStub(ch).Generate(req, timeout=10))
+                target=lambda: responses.extend(pb_grpc.RolloutServiceStub(ch).Generate(req, timeout=60))
             )
             running = len(backend.running)
             call.start()
-            wait_until(lambda: len(backend.running) == running + 12, 10, "12 samples in the engine")
+            wait_until(lambda: len(backend.running) == running + 12, 120, "12 samples in the engine")
             server.set(backend.sample_gate)
-            call.join(10)
+            call.join(120)
     finally:
         backend.hold_from_sample = None
         server.set(backend.sample_gate)
@@ -609,12 +652,28 @@ def test_a_second_service_on_a_taken_port_fails_instead_of_sharing_it(server: Se
     assert f"cannot listen on 127.0.0.1:{server.port}" in proc.stderr + proc.stdout
 
 
-def test_dead_engine_stops_the_service_with_status_1(tmp_path: Path) -> None:
-    """A crashed engine must not keep answering SERVING: the service goes NOT_SERVING and exits 1."""
+def test_dead_engine_stops_the_service_with_status_1(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A crashed engine must not keep answering SERVING: a health watcher sees SERVING, then NOT_SERVING, and
+    serve() returns 1 (the process's exit status)."""
+    import logging
+    import re
+
+    from grpc_health.v1 import health_pb2_grpc
+
     from rollout_service.server import serve
 
     save_file(MODEL, str(tmp_path / "model.safetensors"))
     backend = FakeBackend(str(tmp_path))
+    statuses: list[int] = []
+
+    def watch(address: str) -> None:
+        with grpc_channel(address) as ch:
+            try:
+                for r in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=300):
+                    statuses.append(r.status)
+            except grpc.RpcError:  # the server stopped
+                pass
 
     async def main() -> int:
         loaded = asyncio.Event()
@@ -625,13 +684,20 @@ def test_dead_engine_stops_the_service_with_status_1(tmp_path: Path) -> None:
 
         settings = RolloutSettings(model=str(tmp_path), port=0, staging_dir=str(tmp_path / "staging"))
         task = asyncio.ensure_future(serve(settings, make_backend))
-        await asyncio.wait_for(loaded.wait(), timeout=30)
-        await asyncio.sleep(0)  # let serve() see the loaded engine
+        await asyncio.wait_for(loaded.wait(), timeout=120)
+        port = int(re.search(r"listening on [^\s:]+:(\d+)", caplog.text).group(1))
+        watcher = threading.Thread(target=watch, args=(f"127.0.0.1:{port}",), daemon=True)
+        watcher.start()
+        await asyncio.to_thread(wait_until, lambda: SERVING in statuses, 120, "SERVING")
         assert not task.done()  # healthy engine: keeps serving
         backend.dead = True
-        return await asyncio.wait_for(task, timeout=30)
+        code = await asyncio.wait_for(task, timeout=120)
+        await asyncio.to_thread(watcher.join, 120)
+        return code
 
-    assert asyncio.run(main()) == 1
+    with caplog.at_level(logging.INFO, logger="rollout_service"):
+        assert asyncio.run(main()) == 1
+    assert statuses[0] == SERVING and NOT_SERVING in statuses[statuses.index(SERVING):]
 
 
 def test_a_push_of_the_served_version_counts_as_applied(server: ServerThread, client: RolloutClient):
@@ -660,25 +726,25 @@ def test_inplace_swap_keeps_samples_in_flight_and_reports_both_versions(model_di
         assert backend is not None
         backend.sample_gate, backend.hold_from_sample = s.event(), 1  # sample 1 runs until released
         new = {k: v * 2 for k, v in MODEL.items()}
-        with RolloutClient(s.address, timeout_s=20) as client:
+        with RolloutClient(s.address, timeout_s=120) as client:
             out: list[pb.Trajectory] = []
             sampler = threading.Thread(target=lambda: out.extend(client.generate([[1]], n=2, max_new_tokens=1)))
             sampler.start()
             try:
-                wait_until(lambda: backend.running, 10, "a sample in the engine")
+                wait_until(lambda: backend.running, 120, "a sample in the engine")
                 backend.reload_gate = s.event()
                 pusher = threading.Thread(target=lambda: client.update_weights(new, 1))
                 pusher.start()
-                wait_until(lambda: backend.reloads_started == 1, 10, "the reload to start while a sample runs")
+                wait_until(lambda: backend.reloads_started == 1, 120, "the reload to start while a sample runs")
                 assert backend.running and client.health() == SERVING  # no drain, no NOT_SERVING
                 s.set(backend.reload_gate)
-                pusher.join(10)
+                pusher.join(120)
                 assert client.info().version == 1 and backend.reloads_keep_running == [True]
                 assert client.last_weights_response.drain_s == 0.0
             finally:
                 backend.hold_from_sample = None
                 s.set(backend.sample_gate)
-                sampler.join(10)
+                sampler.join(120)
             by_sample = {t.sample_index: t for t in out}
             assert [(by_sample[j].policy_version, by_sample[j].last_policy_version) for j in (0, 1)] == [(0, 0), (0, 1)]
             assert [(t.policy_version, t.last_policy_version) for t in client.generate([[1]], n=1, max_new_tokens=1)
@@ -697,15 +763,90 @@ def test_inplace_swap_keeps_samples_in_flight_and_reports_both_versions(model_di
             sampler = threading.Thread(target=sample)
             sampler.start()
             try:
-                wait_until(lambda: backend.running, 10, "a sample in the engine")
+                wait_until(lambda: backend.running, 120, "a sample in the engine")
                 code, _ = _code_and_message(lambda: client.update_weights(new, 2))
                 assert code == grpc.StatusCode.FAILED_PRECONDITION and client.health() == NOT_SERVING
             finally:
                 backend.hold_from_sample = None
                 s.set(backend.sample_gate)
-                sampler.join(10)
+                sampler.join(120)
             assert [e.code() for e in errors] == [grpc.StatusCode.FAILED_PRECONDITION]
             backend.fail_reload = None
             assert client.update_weights(new, 2) == 2 and client.health() == SERVING
+    finally:
+        s.stop()
+
+
+def test_a_weight_transfer_session_commits_only_a_whole_model(own_server: ServerThread):
+    """The session rules of rollout_service/transfer.py with the fake engine: the calls reach the engine in order,
+    Finish commits the version once every tensor came; a Finish that lacks one ends the session with the weights
+    reported broken (a chunk had reached the engine) until a good push."""
+    backend = own_server.backend
+    assert backend is not None
+    with RolloutClient(own_server.address, timeout_s=120) as c:
+        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)
+        assert backend.transfer_calls[-1][1]["rank_offset"] == 1 and backend.transfer_calls[-1][1]["timeout_s"] == 300
+        c.start_weight_update("run-a", 1)
+        assert c.info().lease_run_id == "run-a"
+        c.update_weight_chunk("run-a", 1, ["embed.weight"], ["float32"], [[50, 8]])
+        code, msg = _code_and_message(lambda: c.update_weight_chunk("run-a", 1, ["embed.weight"], ["float32"],
+                                                                    [[50, 8]]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "sent twice" in msg  # the refusal ends the session
+        assert backend.transfer_calls[-3:] == [("update", {"names": ["embed.weight"], "dtype_names": ["float32"],
+                                                           "shapes": [[50, 8]], "discard": True}), ("abort", None),
+                                               ("shutdown", None)]  # the group is left: receives may be posted
+        assert c.health() == NOT_SERVING and c.info().version == 0  # a chunk had reached the engine
+        code, msg = _code_and_message(lambda: list(c.generate([[1]], n=1, max_new_tokens=1, timeout_s=60)))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "ended half-way" in msg
+        code, msg = _code_and_message(lambda: c.start_weight_update("run-a", 1))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "InitWeightTransfer first" in msg
+        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)
+        c.start_weight_update("run-a", 1)
+        c.update_weight_chunk("run-a", 1, ["embed.weight"], ["float32"], [[50, 8]],
+                              next={"names": ["norm.weight"], "dtype_names": ["float32"], "shapes": [[8]]})
+        assert backend.transfer_calls[-1][1]["next"] == {"names": ["norm.weight"], "dtype_names": ["float32"],
+                                                         "shapes": [[8]]}
+        code, msg = _code_and_message(lambda: c.finish_weight_update("run-a", 1))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "lacks 1 tensor(s) of the served model: norm.weight" in msg
+        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)
+        c.start_weight_update("run-a", 1)
+        for name, shape in (("embed.weight", [50, 8]), ("norm.weight", [8])):
+            c.update_weight_chunk("run-a", 1, [name], ["float32"], [shape])
+        resp = c.finish_weight_update("run-a", 1)
+        assert resp.version == 1 and c.info().version == 1 and c.health() == SERVING
+        assert backend.transfer_calls[-1] == ("finish", 1) and c.info().counters.weight_reloads == 1
+        # a session and its refusals: wrong run, stale version, a second session, a chunk of another session
+        code, msg = _code_and_message(lambda: c.start_weight_update("run-b", 2))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "leased to run 'run-a'" in msg
+        assert _code_and_message(lambda: c.start_weight_update("run-a", 1))[0] == grpc.StatusCode.ABORTED
+        c.start_weight_update("run-a", 2)
+        code, msg = _code_and_message(lambda: c.start_weight_update("run-a", 2))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "in progress" in msg
+        code, msg = _code_and_message(lambda: c.update_weight_chunk("run-a", 3, ["norm.weight"], ["float32"], [[8]]))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "not run 'run-a''s to version 3" in msg
+        assert c.abort_weight_update("run-a", 2) and c.health() == SERVING and c.info().version == 1  # untouched
+
+
+def test_an_abandoned_weight_transfer_session_ends_and_generation_resumes(model_dir: Path, tmp_path: Path):
+    """No call for transfer_timeout_s (the trainer died after a chunk): the session ends (vLLM's reload finalized,
+    generation resumed) and the weights are broken until a push; a session with no chunk leaves them intact."""
+    s = ServerThread(model_dir, tmp_path / "staging", transfer_timeout_s=0.5)
+    try:
+        backend = s.backend
+        assert backend is not None
+        with RolloutClient(s.address, timeout_s=120) as c:
+            c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)
+            c.start_weight_update("run-a", 1)
+            wait_until(lambda: ("abort", None) in backend.transfer_calls, 120, "the empty session to end")
+            wait_until(lambda: c.health() == SERVING, 120, "SERVING again")  # nothing reached the engine
+            c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)  # the session's end left the group
+            c.start_weight_update("run-a", 1)
+            c.update_weight_chunk("run-a", 1, ["norm.weight"], ["float32"], [[8]])
+            wait_until(lambda: backend.transfer_calls.count(("abort", None)) == 2, 120, "the abandoned session to end")
+            assert c.health() == NOT_SERVING and c.info().version == 0
+            code, msg = _code_and_message(lambda: c.finish_weight_update("run-a", 1))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "no weight update in progress" in msg
+            assert c.update_weights({k: v * 2 for k, v in MODEL.items()}, 1, run_id="run-a") == 1
+            assert c.health() == SERVING
     finally:
         s.stop()

@@ -10,7 +10,6 @@ after round until the push has returned, so some are always in flight when it la
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forkrl.clients.rollout import RolloutClient
+from forkrl.remote.rollout import RolloutClient
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from tests.numerics import float32_logprob_bound, reference_logprobs
 from tests.service_fixtures import ServiceAddress, start_rollout_service, wait_until
@@ -28,19 +27,12 @@ pytestmark = pytest.mark.slow
 PROMPT = "hello world"  # out of distribution: the tiny model runs long on it
 
 
-@pytest.fixture(scope="module", params=["staged", "staged-thread", "paused"])
-def service(request: pytest.FixtureRequest, tiny_model_dir: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceAddress]:
-    """staged: --stage-weights (the default: a shadow model loaded between steps, then a copy; on CPU the
-    staging runs on the engine's thread, --stage-inline); staged-thread: the same on a staging thread of its
-    own (--stage-inline false, the GPU default); paused: --stage-weights false (pause, vLLM's reload, resume)."""
-    staging = tmp_path_factory.mktemp(f"staging-{request.param}")
-    inline = {"staged-thread": {"stage_inline": False}}.get(request.param, {})
+@pytest.fixture(scope="module")
+def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceAddress]:
+    """Swap mode inplace: vLLM's scheduler paused in its "keep" mode, the reload, resume."""
+    staging = tmp_path_factory.mktemp("staging-inplace")
     with start_rollout_service(tiny_model_dir, seed=0, kv_cache_gib=1, staging_dir=staging, swap_mode="inplace",
-                               stage_weights=request.param != "paused", **inline,
                                log_path=staging / "rollout.log") as address:
-        address.route = request.param.split("-")[0]  # type: ignore[attr-defined]
-        address.inline = request.param == "staged"  # type: ignore[attr-defined]
         yield address
 
 
@@ -76,8 +68,7 @@ def test_a_push_during_generation_keeps_the_samples_and_later_tokens_use_the_new
 
         def sample(base: int) -> None:
             """Rounds of n samples, one after another, until after the push. Three of these run at once, so
-            samples are in flight when the push lands even if it lands between two rounds of one of them (an
-            idle engine would be reloaded directly, not staged)."""
+            samples are in flight when the push lands even if it lands between two rounds of one of them."""
             k = 0
             while not stop.is_set():
                 trajs.extend(client.generate([PROMPT], n=n, temperature=1.0, max_new_tokens=max_new,
@@ -89,7 +80,7 @@ def test_a_push_during_generation_keeps_the_samples_and_later_tokens_use_the_new
             t.start()
         try:
             wait_until(lambda: client.info().counters.running_requests > 0
-                       or not all(t.is_alive() for t in samplers), 60, "the samples to reach the engine")
+                       or not all(t.is_alive() for t in samplers), 300, "the samples to reach the engine")
             assert client.update_weights(new_state, v0 + 1) == v0 + 1
             assert client.last_weights_response.drain_s == 0.0
         finally:
@@ -120,15 +111,5 @@ def test_a_push_during_generation_keeps_the_samples_and_later_tokens_use_the_new
             assert bool(is_new.all())  # submitted after the push: every token from the new weights
         mixed += 0 < k < len(completion)
     assert mixed >= 1  # at least one sample was in flight across the push and continued under the new weights
-    # the route the service says it took (a failed staging falls back to the pause and says so)
     log_text = Path(service.log_path).read_text()
-    assert f"weights v{v0 + 1} in place (in flight kept, {service.route})" in log_text, log_text[-3000:]
-    assert "staged weight swap failed" not in log_text
-    if service.route == "staged":  # the stall it reports: the longest call of the swap into the engine's loop
-        assert re.search(r"the engine held at most \d+\.\d ms at a time \(\d+ slices, then the copy\)", log_text)
-        # inline, what bounds a slice: the longest stretch between two checkpoints, and the checkpoints shadow.py
-        # put before vLLM's layerwise steps (they ran in the staging greenlet's context)
-        stretch = re.search(r"its longest stretch of work \d+\.\d ms of CPU \([^;()]+; (\d+) checkpoints before a "
-                            r"layer step\)", log_text)
-        assert (stretch is not None) == service.inline, log_text[-3000:]
-        assert stretch is None or int(stretch.group(1)) > 0
+    assert f"weights v{v0 + 1} in place (in flight kept)" in log_text, log_text[-3000:]

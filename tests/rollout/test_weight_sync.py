@@ -1,6 +1,11 @@
 """The trainer's weight push (`Rollouts.push`, forkrl/training/rollouts.py) into real rollout services over
 real gRPC on 127.0.0.1: the automatic route, its fallback, and that the served policy is the pushed one.
 
+`auto` after `adopt()` (what a run does) takes the transfer route when every service offers the trainer's
+weight-transfer backend: one gloo group of the trainer and both services' workers (rank offsets 1 and 2), the
+model broadcast layer by layer. Without that (`adopt` not called here, or a service without the backend) it is
+the shm / stream choice below.
+
 Two services of the embedded tiny model run side by side. `colocated` has the test's sync dir as its
 FORKRL_SYNC_DIR, as a service on the trainer's host with the same /dev/shm does; `elsewhere` has another
 one, as a container with its own /dev/shm: it answers LoadWeights of the trainer's file with
@@ -17,7 +22,7 @@ import grpc
 import pytest
 import torch
 
-from forkrl.clients.rollout import RolloutClient
+from forkrl.remote.rollout import RolloutClient
 from forkrl.training.rollouts import Rollouts
 from forkrl.weights.shm import SYNC_DIR_ENV
 from tests.numerics import logprob_parity
@@ -106,6 +111,49 @@ def test_auto_push_serves_the_trainers_weights_on_every_service(services, models
     finally:
         rollouts.close()
     assert not list(dirs["sync"].iterdir())  # the run's end removes the shared file
+
+
+def test_auto_transfers_into_every_service_through_one_group(services, models, dirs):
+    hf32, hf64 = models
+    rollouts = Rollouts(list(services))
+    try:
+        rollouts.wait_ready(120)
+        served = [c.info().version for c in rollouts.clients]
+        rollouts.adopt(0)
+        assert rollouts.offers == ["gloo", "gloo"] and rollouts.choose_routes("auto") == ["transfer", "transfer"]
+        for k, seed in enumerate((4, 5)):  # the second push reuses the group formed by the first
+            state = perturbed(hf32, 0.3, seed)
+            model = with_state(hf32, state)
+            rollouts.push(model, k + 1, "auto", dirs["run"])
+            assert rollouts.routes == ["transfer", "transfer"]
+            assert all(v[s + k + 1] == k + 1 for v, s in zip(rollouts.versions, served, strict=True))
+            m64 = with_state(hf64, state)
+            for c, base in zip(rollouts.clients, served, strict=True):
+                worst, bound = served_parity(c, base + k + 1, model, m64)
+                assert worst <= bound, c.address
+    finally:
+        rollouts.close()
+
+
+def test_auto_takes_transfer_only_when_every_service_offers_the_trainers_backend():
+    from forkrl.training.rollouts import _trainer_backend
+
+    ours = _trainer_backend()  # gloo on CPU, nccl with CUDA
+    other = "nccl" if ours == "gloo" else "gloo"
+    rollouts = Rollouts(["127.0.0.1:1", "127.0.0.1:2"], token="")  # no calls are made: offers set by hand
+    try:
+        assert rollouts.offers is None and rollouts.choose_routes("auto")[0] != "transfer"  # before adopt()
+        rollouts.offers = [ours, ours]
+        assert rollouts.choose_routes("auto") == ["transfer", "transfer"]
+        rollouts.offers = [ours, ""]  # a service started with --weight-transfer none
+        assert "transfer" not in rollouts.choose_routes("auto")
+        rollouts.offers = [other, other]  # e.g. GPU services and a CPU trainer
+        assert "transfer" not in rollouts.choose_routes("auto")
+        rollouts.offers, rollouts._no_transfer = [ours, ours], True  # joining failed once
+        assert "transfer" not in rollouts.choose_routes("auto")
+        assert rollouts.choose_routes("transfer") == ["transfer", "transfer"]  # an explicit route is never changed
+    finally:
+        rollouts.close()
 
 
 def test_explicit_shm_route_does_not_fall_back(services, models, dirs, monkeypatch):

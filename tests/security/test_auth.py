@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from safetensors.torch import save_file
 
-from forkrl.security import grpc_channel, http_headers, load_token
+from forkrl.remote.channel import grpc_channel, http_headers
+from forkrl.security import load_token
 from forkrl.wire.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from probe_service.app import create_app
@@ -83,7 +84,9 @@ def rollout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 
 def test_rollout_refuses_every_rpc_without_the_token(rollout: ServerThread) -> None:
     service = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
-    assert {m.name for m in service.methods} == {"Generate", "UpdateWeights", "LoadWeights", "GetInfo", "ReleaseLease"}
+    assert {m.name for m in service.methods} == {"Generate", "UpdateWeights", "LoadWeights", "GetInfo", "ReleaseLease",
+                                                 "InitWeightTransfer", "StartWeightUpdate", "UpdateWeightChunk",
+                                                 "FinishWeightUpdate", "AbortWeightUpdate", "ShutdownWeightTransfer"}
     _every_rpc_needs_the_token(rollout.address, rollout_pb2_grpc.RolloutServiceStub, service)
     _health_and_reflection_open(rollout.address)
     with grpc_channel(rollout.address) as ch:  # the token of the environment

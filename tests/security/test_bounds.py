@@ -20,7 +20,7 @@ import uvicorn
 from safetensors.torch import save_file
 
 from forkrl.models.tiny import default_model_dir
-from forkrl.security import grpc_channel, http_headers
+from forkrl.remote.channel import grpc_channel, http_headers
 from forkrl.training.config import RunConfig, to_proto
 from forkrl.training.rules import RunRules, check_bounds
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
@@ -172,7 +172,7 @@ def test_probe_job_caps_422(probe: str, job: dict, name: str, value: int) -> Non
 
 def test_grpc_limits_are_settings() -> None:
     from forkrl.cli import parse_settings
-    from forkrl.security import grpc_server_options
+    from serving.grpc_server import grpc_server_options
     from trainer_service.config import TrainerSettings
 
     opts = dict(grpc_server_options(4 << 20, 64 << 20, 8))

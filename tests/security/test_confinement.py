@@ -17,7 +17,7 @@ import grpc
 import pytest
 from safetensors.torch import save_file
 
-from forkrl.clients.rollout import RolloutClient
+from forkrl.remote.rollout import RolloutClient
 from tests.rollout.test_server_plumbing import MODEL, ServerThread
 from tests.service_fixtures import REPO_ROOT, start_trainer_service
 

@@ -24,8 +24,8 @@ import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 
-from forkrl.clients.rollout import RolloutClient
-from forkrl.security import grpc_channel, http_headers, http_verify
+from forkrl.remote.channel import grpc_channel, http_headers, http_verify
+from forkrl.remote.rollout import RolloutClient
 from probe_service.app import create_app
 from probe_service.config import ProbeSettings
 from tests.rollout.test_server_plumbing import MODEL, ServerThread

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from forkrl.security import grpc_channel
+from forkrl.remote.channel import grpc_channel
 from forkrl.training.config import RunConfig, to_proto
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.service_fixtures import REPO_ROOT

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from safetensors.torch import save_file
 
-from forkrl.clients.rollout import RolloutClient
+from forkrl.remote.rollout import RolloutClient
 from forkrl.training.config import RunConfig
 from tests.rollout.test_server_plumbing import MODEL, ServerThread
 from trainer_service.runs import (

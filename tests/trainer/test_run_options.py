@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from forkrl.clients.rollout import RolloutClient
+from forkrl.remote.rollout import RolloutClient
 from forkrl.training.config import RunConfig
 from forkrl.wire.trainer.v1 import trainer_pb2
 from tests.service_fixtures import group_alive, start_rollout_service, wait_until

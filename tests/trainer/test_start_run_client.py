@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from forkrl.data.tasks import DEFAULT_TASK, TASKS
-from forkrl.security import grpc_channel
+from forkrl.remote.channel import grpc_channel
 from forkrl.weights.checkpoint import latest_checkpoint, read_state
 from forkrl.wire.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from forkrl.wire.trainer.v1 import trainer_pb2

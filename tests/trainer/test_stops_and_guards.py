@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forkrl.clients.rollout import RolloutClient
+from forkrl.remote.rollout import RolloutClient
 from forkrl.training.config import RunConfig, to_proto
 from forkrl.weights.checkpoint import latest_checkpoint, read_state
 from forkrl.wire.trainer.v1 import trainer_pb2

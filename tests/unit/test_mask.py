@@ -50,6 +50,36 @@ def test_top_frac_out_of_range(rho: float):
         forking_token_mask(torch.rand(2, 3), torch.ones(2, 3, dtype=torch.bool), rho)
 
 
+@pytest.mark.parametrize("rho", [1.5, 0.0, float("nan")])
+def test_every_public_mask_function_refuses_a_bad_fraction(rho: float):
+    ent, resp = torch.rand(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    for call in (lambda: masks_for_step([ent, ent], [resp, resp], rho, "microbatch"),
+                 lambda: masks_for_step([ent, ent], [resp, resp], rho, "step"),
+                 lambda: kept_denominator([resp, 3], rho, "microbatch")):
+        with pytest.raises(ValueError, match=r"entropy_top_frac must be in \(0, 1\], got"):
+            call()
+
+
+def test_the_fraction_is_checked_once_per_call(monkeypatch: pytest.MonkeyPatch):
+    # one rule (forkrl/rl/options.check_top_frac), applied at each public function's entry; the helpers below it
+    # (per micro-batch, per count) take the checked value (docs/architecture.md, the --entropy-top-frac walk)
+    import forkrl.rl.mask as mask
+    from forkrl.rl.options import check_top_frac
+
+    calls: list[float | None] = []
+    monkeypatch.setattr(mask, "check_top_frac", lambda rho: (calls.append(rho), check_top_frac(rho))[1])
+    ents = [torch.rand(2, 5) for _ in range(4)]
+    resps = [torch.ones(2, 5, dtype=torch.bool) for _ in range(4)]
+    for scope in ("microbatch", "step"):
+        calls.clear()
+        kept = [r.kept for r in mask.masks_for_step(ents, resps, 0.2, scope)]
+        assert sum(kept) == 8 and calls == [0.2], (scope, kept, calls)  # 4 x ceil(0.2 * 10), ceil(0.2 * 40)
+    calls.clear()
+    assert mask.kept_denominator(resps, 0.2, "microbatch") == 4 * 2 and calls == [0.2]
+    calls.clear()
+    assert mask.forking_token_mask(ents[0], resps[0], 0.2).kept == 2 and calls == [0.2]
+
+
 def test_top_frac_message_exact():
     with pytest.raises(ValueError, match=r"^entropy_top_frac must be in \(0, 1\], got 1\.5$"):
         kept_count(10, 1.5)

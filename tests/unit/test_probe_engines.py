@@ -43,3 +43,20 @@ def test_chat_template_wraps_the_prompt_as_a_user_message():
     tok.chat_template = TEMPLATE
     chat = encode_prompts(tok, ["1+2="], chat_template=True)
     assert tok.decode(chat[0]) == "<user>1+2=="  # the template's text, generation prompt "=" added, no BOS
+
+
+def test_the_probe_takes_the_training_prompt_format_and_chat_template_is_its_older_name():
+    assert ProbeParams(model="m").prompt_format == "raw"
+    assert ProbeParams(model="m", chat_template=True).prompt_format == "chat"
+    assert ProbeParams(model="m", prompt_format="dapo", system_prompt="Be exact.").prompt_format == "dapo"
+    with pytest.raises(ValidationError, match="chat_template is prompt_format chat; it contradicts"):
+        ProbeParams(model="m", chat_template=True, prompt_format="dapo_plain")
+    with pytest.raises(ValidationError, match="system_prompt needs a chat format"):
+        ProbeParams(model="m", system_prompt="Be exact.")
+    tok = build_tokenizer()
+    tok.chat_template = TEMPLATE
+    # the same ids as training's encoder (forkrl.data.prompts.PromptEncoder), for texts and problems alike
+    from forkrl.data.prompts import PromptEncoder
+    from forkrl.data.tasks import Problem
+
+    assert encode_prompts(tok, ["1+2="], "chat") == PromptEncoder(tok, "chat").encode([Problem("1+2=", "")])

@@ -91,7 +91,7 @@ def test_every_path_is_confined_before_it_is_read(run: Path, tmp_path: Path):
         (lambda t: _ckpt(t / "c"), {"task": "nope"}, ProbeInputError, "unknown task 'nope'"),
         (lambda t: _ckpt(t / "c"), {"reward": "nope"}, ProbeInputError, "unknown reward"),
         (lambda t: _ckpt(t / "c"), {"dataset": "/nonexistent/d.jsonl"}, PathNotFound, "dataset"),
-        (lambda t: _ckpt(t / "c"), {"dataset": "{tmp}"}, ProbeInputError, "is not a file"),
+        (lambda t: _ckpt(t / "c"), {"dataset": "{tmp}"}, ProbeInputError, "neither .save_to_disk. wrote"),
     ],
 )
 def test_refusals_are_typed(tmp_path: Path, make, kw, error, match):

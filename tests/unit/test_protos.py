@@ -25,7 +25,9 @@ def test_contract_has_the_rpcs() -> None:
 
     rollout = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
     assert {m.name for m in rollout.methods} == {"Generate", "UpdateWeights", "LoadWeights", "GetInfo",
-                                                    "ReleaseLease"}
+                                                    "ReleaseLease", "InitWeightTransfer", "StartWeightUpdate",
+                                                    "UpdateWeightChunk", "FinishWeightUpdate", "AbortWeightUpdate",
+                                                    "ShutdownWeightTransfer"}
     assert rollout.methods_by_name["Generate"].server_streaming
     assert rollout.methods_by_name["UpdateWeights"].client_streaming
     trainer = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]

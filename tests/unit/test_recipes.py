@@ -13,6 +13,7 @@ from forkrl.data.tasks import DEFAULT_TASK
 from forkrl.models.tiny import default_model_dir
 from forkrl.training.config import RunConfig
 from forkrl.training.preflight import check_values, preflight
+from forkrl.training.rules import RunRules, check_bounds
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO_ROOT / "recipes").glob("*.toml"))
@@ -33,7 +34,8 @@ def _load(path: Path, *flags: str) -> RunConfig:
 
 
 def test_the_recipes_are_there() -> None:
-    assert {p.name for p in RECIPES} >= {"dapo_paper.toml", "tiny_default.toml"}
+    assert {p.name for p in RECIPES} >= {"dapo_paper.toml", "tiny_default.toml", "seed_qwen2.5_1.5b.toml",
+                                         "paper_qwen3_8b.toml"}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
@@ -76,3 +78,32 @@ def test_the_tiny_recipe_is_the_embedded_default() -> None:
     resolved = check_values(cfg)
     assert (resolved.model, resolved.task) == (str(default_model_dir()), DEFAULT_TASK)
     assert (cfg.loss, cfg.entropy_top_frac, cfg.prompts_per_step, cfg.group_size) == ("grpo", 0.2, 32, 8)
+
+
+def test_the_seed_recipe_is_the_seeds_run() -> None:
+    cfg = _load(REPO_ROOT / "recipes" / "seed_qwen2.5_1.5b.toml")
+    assert "Qwen2.5-1.5B" in cfg.model
+    assert (cfg.loss, cfg.entropy_top_frac, cfg.kl_beta, cfg.clip_low, cfg.clip_high) == ("dapo", 0.2, 0.0, 0.2, 0.28)
+    assert (cfg.max_new_tokens, cfg.save_every) == (2048, 20)  # the seed probe's budget and checkpoint steps
+    assert cfg.prompts_per_step % 4 == 0  # whole prompts on each of its 4 trainer ranks
+    assert cfg.mini_batch_prompts == 0 and cfg.ppo_epochs == 1  # what the N-rank trainer takes today
+    # the prompt format and the reward agree (the answer on an "Answer:" line, read by math_verify); benchmarks named
+    assert (cfg.prompt_format, check_values(cfg).reward) == ("dapo", "math_verify") and cfg.eval_dataset
+    check_bounds(cfg, RunRules(Path("/"), []))  # runs on a trainer's default caps
+
+
+def test_the_qwen3_8b_recipe_is_the_paper_recipe_on_8b_with_its_benchmarks() -> None:
+    cfg = _load(REPO_ROOT / "recipes" / "paper_qwen3_8b.toml")
+    paper = _load(REPO_ROOT / "recipes" / "dapo_paper.toml")
+    assert "Qwen3-8B-Base" in cfg.model
+    same = {k for k in RunConfig.model_fields if k not in ("model", "eval_dataset", "eval_prompts", "log_to")}
+    assert {k: getattr(cfg, k) for k in same} == {k: getattr(paper, k) for k in same}
+    assert cfg.prompt_format == "dapo" and check_values(cfg).reward == "math_verify"
+    names = [Path(p).stem for p in cfg.eval_dataset]  # the paper's Table 2
+    assert names == ["aime-2024", "aime-2025", "amc-2023", "math500", "minerva", "olympiadbench"]
+    # the caps its comment names: refused on a trainer's defaults, accepted with them
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        check_bounds(cfg, RunRules(Path("/"), []))
+    check_bounds(cfg, RunRules(Path("/"), [], max_step_tokens=1_677_721_600, max_eval_tokens=62_914_560))
+    with pytest.raises(ValueError, match="max_eval_tokens"):
+        check_bounds(cfg, RunRules(Path("/"), [], max_step_tokens=1_677_721_600, max_eval_tokens=62_914_559))

@@ -4,15 +4,8 @@ import time
 
 import pytest
 
-from forkrl.data.rewards import (
-    MathVerifyGrader,
-    RewardResult,
-    exact_match,
-    get_reward_fn,
-    last_boxed_only_string,
-    math_verify_reward,
-    remove_boxed,
-)
+from forkrl.data.answers import last_boxed_only_string, remove_boxed
+from forkrl.data.rewards import MathVerifyGrader, RewardResult, exact_match, get_reward_fn, math_verify_reward
 from forkrl.data.tasks import Problem
 
 

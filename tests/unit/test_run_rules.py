@@ -101,3 +101,14 @@ def test_trainer_settings_build_the_rules(tmp_path: Path, monkeypatch: pytest.Mo
     assert rules.rollout_addresses == ("h:1", "h:2")
     defaults = parse_settings(TrainerSettings, []).rules()
     assert defaults.rollout_addresses == ("127.0.0.1:50051",) and not defaults.allow_custom_rewards
+
+
+def test_eval_dataset_files_are_confined_like_the_dataset(world) -> None:
+    rules = _rules(world)
+    inside = world["models"] / "aime24.jsonl"
+    got = confine_run(RunConfig(eval_dataset=[str(inside), str(world["models"] / "m")]), rules)
+    assert got == {"eval_dataset": [str(inside.resolve()), str((world["models"] / "m").resolve())]}
+    with pytest.raises(OutsideRoots, match=r"eval_dataset '.*outside/m' is outside the trainer's allowed_roots"):
+        confine_run(RunConfig(eval_dataset=[str(inside), str(world["outside"] / "m")]), rules)
+    with pytest.raises(OutsideRoots, match="eval_dataset .* links outside"):
+        confine_run(RunConfig(eval_dataset=[str(world["models"] / "escape")]), rules)

@@ -10,18 +10,11 @@ from pathlib import Path
 import pytest
 
 from forkrl.cli import parse_settings
-from forkrl.security import (
-    check_authorization,
-    ensure_token_file,
-    http_headers,
-    is_loopback,
-    load_token,
-    main,
-    refuse_open_bind,
-    resolve_token,
-)
+from forkrl.remote.channel import http_headers
+from forkrl.security import check_authorization, ensure_token_file, load_token, main, resolve_token
 from probe_service.config import ProbeSettings
 from rollout_service.config import RolloutSettings
+from serving.bind import is_loopback, refuse_open_bind
 from tests.service_fixtures import REPO_ROOT
 from trainer_service.config import TrainerSettings
 

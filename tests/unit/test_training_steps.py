@@ -223,8 +223,10 @@ def test_evaluate_per_prompt_accuracies_average_to_the_totals() -> None:
     # T=1 (call 0, 4 samples): prompt i has i + 1 right samples; greedy (call 1): only prompt 1 is right
     rollouts = ScriptedRollouts(lambda c, i, j: j <= i if c == 0 else i == 1)
     per_prompt: dict[str, list[float]] = {}
-    out = evaluate(rollouts, exact_match, problems, _cfg(), per_prompt=per_prompt)
+    sampled: list = []  # the run report's eval sample: each prompt's samples at T with their rewards
+    out = evaluate(rollouts, exact_match, problems, _cfg(), per_prompt=per_prompt, sampled=sampled)
     assert per_prompt == {"eval_accuracy": [0.25, 0.5, 0.75], "eval_greedy_accuracy": [0.0, 1.0, 0.0]}
+    assert [len(g) for g, _ in sampled] == [4, 4, 4] and [sum(r) for _, r in sampled] == [1.0, 2.0, 3.0]
     assert out == {"eval_accuracy": 6 / 12, "eval_greedy_accuracy": 1 / 3}
     assert rollouts.calls == [(3, run_seed("eval", 5)), (3, run_seed("eval", 5))]
     assert evaluate(ScriptedRollouts(lambda c, i, j: True), exact_match, problems, _cfg()) == {

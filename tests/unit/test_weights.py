@@ -1,4 +1,4 @@
-"""forkrl.weights.wire: state dict <-> (metas, payload, sha256) and the safetensors layout of the payload."""
+"""forkrl.weights.chunks: state dict <-> (metas, payload, sha256) and the safetensors layout of the payload."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 
+from forkrl.weights.chunks import pack_state_dict, unpack, validate_metas
 from forkrl.weights.safetensors import WeightsError, read_checkpoint_specs, safetensors_prefix
-from forkrl.weights.wire import pack_state_dict, unpack, validate_metas
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -153,10 +153,10 @@ def test_a_staged_payload_reads_back_in_the_worker(tmp_path):
         assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
 
 
-def test_the_worker_checks_a_file_completely_before_reloading(tmp_path):
-    """vLLM cannot take another reload after one that failed half-way: the worker extension refuses a
-    truncated or inconsistent file before it touches the model."""
-    from rollout_service.worker_ext import check_data_section
+def test_a_file_is_checked_completely_before_reloading(tmp_path):
+    """vLLM cannot take another reload after one that failed half-way: the rollout service (and again its worker
+    extension) refuses a truncated or inconsistent file before it touches the model."""
+    from forkrl.weights.safetensors import check_data_section
 
     path = tmp_path / "m.safetensors"
     save_file({k: v.contiguous() for k, v in _state().items()} | {"big": torch.zeros(64, 64)}, str(path))

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from forkrl.training.config import RunConfig, from_proto, to_proto
 from forkrl.training.rollouts import Rollouts, is_local
+from forkrl.weights.chunks import pack_state_dict, unpack
 from forkrl.weights.shm import SYNC_DIR_ENV, SharedWeightsFile, default_sync_dir
-from forkrl.weights.wire import pack_state_dict, unpack
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def test_streaming_never_holds_a_second_copy_of_the_state():
     # the peak RSS of a fresh process above its RSS with the state built (ru_maxrss is in KiB on Linux).
     code = textwrap.dedent("""
         import resource, torch
-        from forkrl.weights.wire import pack_state_dict
+        from forkrl.weights.chunks import pack_state_dict
         state = {f"w{i}": torch.full((1024, 2048), float(i)).t() for i in range(32)}
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         packed = pack_state_dict(state)

@@ -163,7 +163,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineSettings(_message.Message):
-    __slots__ = ("dtype", "max_model_len", "enforce_eager", "logprobs_mode", "kv_cache_gib", "device", "vllm_version", "engine_mode")
+    __slots__ = ("dtype", "max_model_len", "enforce_eager", "logprobs_mode", "kv_cache_gib", "device", "vllm_version", "engine_mode", "weight_transfer_backend", "weight_transfer_workers")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,8 @@ class EngineSettings(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_MODE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSFER_WORKERS_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     max_model_len: int
     enforce_eager: bool
@@ -180,7 +182,9 @@ class EngineSettings(_message.Message):
     device: str
     vllm_version: str
     engine_mode: str
-    def __init__(self, dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., enforce_eager: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., kv_cache_gib: _Optional[float] = ..., device: _Optional[str] = ..., vllm_version: _Optional[str] = ..., engine_mode: _Optional[str] = ...) -> None: ...
+    weight_transfer_backend: str
+    weight_transfer_workers: int
+    def __init__(self, dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., enforce_eager: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., kv_cache_gib: _Optional[float] = ..., device: _Optional[str] = ..., vllm_version: _Optional[str] = ..., engine_mode: _Optional[str] = ..., weight_transfer_backend: _Optional[str] = ..., weight_transfer_workers: _Optional[int] = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ("requests", "samples", "prompt_tokens", "generated_tokens", "aborted_requests", "weight_reloads", "rejected_weight_updates", "running_requests")
@@ -235,3 +239,111 @@ class ReleaseLeaseResponse(_message.Message):
     RELEASED_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     released_run_id: str
     def __init__(self, released_run_id: _Optional[str] = ...) -> None: ...
+
+class InitWeightTransferRequest(_message.Message):
+    __slots__ = ("run_id", "backend", "master_address", "master_port", "world_size", "rank_offset", "packed", "packed_buffer_size_bytes", "packed_num_buffers")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BUFFER_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_NUM_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    backend: str
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int
+    packed: bool
+    packed_buffer_size_bytes: int
+    packed_num_buffers: int
+    def __init__(self, run_id: _Optional[str] = ..., backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., packed: _Optional[bool] = ..., packed_buffer_size_bytes: _Optional[int] = ..., packed_num_buffers: _Optional[int] = ...) -> None: ...
+
+class InitWeightTransferResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartWeightUpdateRequest(_message.Message):
+    __slots__ = ("run_id", "target_version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    target_version: int
+    def __init__(self, run_id: _Optional[str] = ..., target_version: _Optional[int] = ...) -> None: ...
+
+class StartWeightUpdateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TensorShape(_message.Message):
+    __slots__ = ("dims",)
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UpdateWeightChunkRequest(_message.Message):
+    __slots__ = ("run_id", "target_version", "names", "dtype_names", "shapes", "next_names", "next_dtype_names", "next_shapes")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    SHAPES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DTYPE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    target_version: int
+    names: _containers.RepeatedScalarFieldContainer[str]
+    dtype_names: _containers.RepeatedScalarFieldContainer[str]
+    shapes: _containers.RepeatedCompositeFieldContainer[TensorShape]
+    next_names: _containers.RepeatedScalarFieldContainer[str]
+    next_dtype_names: _containers.RepeatedScalarFieldContainer[str]
+    next_shapes: _containers.RepeatedCompositeFieldContainer[TensorShape]
+    def __init__(self, run_id: _Optional[str] = ..., target_version: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., dtype_names: _Optional[_Iterable[str]] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., next_names: _Optional[_Iterable[str]] = ..., next_dtype_names: _Optional[_Iterable[str]] = ..., next_shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ...) -> None: ...
+
+class UpdateWeightChunkResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FinishWeightUpdateRequest(_message.Message):
+    __slots__ = ("run_id", "target_version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    target_version: int
+    def __init__(self, run_id: _Optional[str] = ..., target_version: _Optional[int] = ...) -> None: ...
+
+class FinishWeightUpdateResponse(_message.Message):
+    __slots__ = ("version", "apply_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLY_S_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    apply_s: float
+    def __init__(self, version: _Optional[int] = ..., apply_s: _Optional[float] = ...) -> None: ...
+
+class AbortWeightUpdateRequest(_message.Message):
+    __slots__ = ("run_id", "target_version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    target_version: int
+    def __init__(self, run_id: _Optional[str] = ..., target_version: _Optional[int] = ...) -> None: ...
+
+class AbortWeightUpdateResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
+
+class ShutdownWeightTransferRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ShutdownWeightTransferResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -59,6 +59,36 @@ class RolloutServiceStub:
                 request_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseLeaseRequest.SerializeToString,
                 response_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
+        self.InitWeightTransfer = channel.unary_unary(
+                '/forkrl.rollout.v1.RolloutService/InitWeightTransfer',
+                request_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.InitWeightTransferRequest.SerializeToString,
+                response_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.InitWeightTransferResponse.FromString,
+                _registered_method=True)
+        self.StartWeightUpdate = channel.unary_unary(
+                '/forkrl.rollout.v1.RolloutService/StartWeightUpdate',
+                request_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.StartWeightUpdateRequest.SerializeToString,
+                response_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.StartWeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightChunk = channel.unary_unary(
+                '/forkrl.rollout.v1.RolloutService/UpdateWeightChunk',
+                request_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightChunkRequest.SerializeToString,
+                response_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightChunkResponse.FromString,
+                _registered_method=True)
+        self.FinishWeightUpdate = channel.unary_unary(
+                '/forkrl.rollout.v1.RolloutService/FinishWeightUpdate',
+                request_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.FinishWeightUpdateRequest.SerializeToString,
+                response_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.FinishWeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.AbortWeightUpdate = channel.unary_unary(
+                '/forkrl.rollout.v1.RolloutService/AbortWeightUpdate',
+                request_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.AbortWeightUpdateRequest.SerializeToString,
+                response_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.AbortWeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.ShutdownWeightTransfer = channel.unary_unary(
+                '/forkrl.rollout.v1.RolloutService/ShutdownWeightTransfer',
+                request_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ShutdownWeightTransferRequest.SerializeToString,
+                response_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ShutdownWeightTransferResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -74,15 +104,16 @@ class RolloutServiceServicer:
 
     def UpdateWeights(self, request_iterator, context):
         """Client stream: one header, then the raw tensor bytes in chunks of at most 4 MiB. The weights are
-        applied only after the whole stream arrived and the checksum matched; otherwise the old weights
-        keep serving.
+        applied only after the whole stream arrived, the checksum matched and every tensor is finite (a NaN or
+        inf: INVALID_ARGUMENT naming the tensor); otherwise the old weights keep serving.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def LoadWeights(self, request, context):
-        """Loads weights from a checkpoint directory (`*.safetensors`) on a volume both services can read.
+        """Loads weights from a checkpoint directory (`*.safetensors`) on a volume both services can read; a tensor
+        holding a NaN or inf is refused (INVALID_ARGUMENT naming it) and the old weights keep serving.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,6 +128,60 @@ class RolloutServiceServicer:
 
     def ReleaseLease(self, request, context):
         """Gives up the rollout lease: the holding run when it ends (run_id), or an operator (force).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitWeightTransfer(self, request, context):
+        """Weight pushes through vLLM's weight-transfer API (rollout_service/transfer.py), the calls vLLM's
+        VLLMWeightSyncClient makes: the engine's workers join a process group with the trainer's sender rank
+        (InitWeightTransfer, once per trainer connection), then per push StartWeightUpdate, one UpdateWeightChunk
+        per chunk (the workers receive the chunk's tensors from the trainer's broadcast during the call) and
+        FinishWeightUpdate. The backend is the service's (GetInfo: engine.weight_transfer_backend): gloo on CPU,
+        vLLM's nccl on a GPU.
+        Joins the trainer's process group, replacing an earlier one. Returns once every member has joined.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartWeightUpdate(self, request, context):
+        """Opens a push (the lease and version rules of UpdateWeights) and pauses generation in vLLM's "keep" mode
+        (requests in flight stay scheduled, KV cache kept; swap mode drain: waits for them first). A session
+        that sees no call for the service's --transfer-timeout-s, or whose chunk fails, ends without a commit:
+        generation resumes, and once a chunk reached the engine the weights are reported broken
+        (FAILED_PRECONDITION, NOT_SERVING) until a push or load succeeds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightChunk(self, request, context):
+        """One chunk: names, dtypes and shapes (checked against the served model) of the tensors the trainer
+        broadcasts during the call, in order. A tensor holding a NaN or inf: INVALID_ARGUMENT naming it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishWeightUpdate(self, request, context):
+        """Commits the push once every tensor of the served model arrived: the version becomes target_version
+        (also vLLM's weight_version), generation resumes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortWeightUpdate(self, request, context):
+        """Ends the push without a commit (the trainer failed), as a timeout would, at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShutdownWeightTransfer(self, request, context):
+        """Leaves the trainer's process group.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,6 +214,36 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseLeaseRequest.FromString,
                     response_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'InitWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightTransfer,
+                    request_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.InitWeightTransferRequest.FromString,
+                    response_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.InitWeightTransferResponse.SerializeToString,
+            ),
+            'StartWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartWeightUpdate,
+                    request_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.StartWeightUpdateRequest.FromString,
+                    response_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.StartWeightUpdateResponse.SerializeToString,
+            ),
+            'UpdateWeightChunk': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightChunk,
+                    request_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightChunkRequest.FromString,
+                    response_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightChunkResponse.SerializeToString,
+            ),
+            'FinishWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishWeightUpdate,
+                    request_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.FinishWeightUpdateRequest.FromString,
+                    response_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.FinishWeightUpdateResponse.SerializeToString,
+            ),
+            'AbortWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortWeightUpdate,
+                    request_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.AbortWeightUpdateRequest.FromString,
+                    response_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.AbortWeightUpdateResponse.SerializeToString,
+            ),
+            'ShutdownWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShutdownWeightTransfer,
+                    request_deserializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ShutdownWeightTransferRequest.FromString,
+                    response_serializer=forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ShutdownWeightTransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +381,168 @@ class RolloutService:
             '/forkrl.rollout.v1.RolloutService/ReleaseLease',
             forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseLeaseRequest.SerializeToString,
             forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forkrl.rollout.v1.RolloutService/InitWeightTransfer',
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.InitWeightTransferRequest.SerializeToString,
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.InitWeightTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forkrl.rollout.v1.RolloutService/StartWeightUpdate',
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.StartWeightUpdateRequest.SerializeToString,
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.StartWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forkrl.rollout.v1.RolloutService/UpdateWeightChunk',
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightChunkRequest.SerializeToString,
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightChunkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forkrl.rollout.v1.RolloutService/FinishWeightUpdate',
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.FinishWeightUpdateRequest.SerializeToString,
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.FinishWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forkrl.rollout.v1.RolloutService/AbortWeightUpdate',
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.AbortWeightUpdateRequest.SerializeToString,
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.AbortWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShutdownWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forkrl.rollout.v1.RolloutService/ShutdownWeightTransfer',
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ShutdownWeightTransferRequest.SerializeToString,
+            forkrl_dot_rollout_dot_v1_dot_rollout__pb2.ShutdownWeightTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

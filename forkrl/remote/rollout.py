@@ -12,21 +12,24 @@
 Every call carries a deadline. Only UNAVAILABLE is retried (with backoff, within the deadline); a
 Generate stream is retried only before its first trajectory arrived, so no sample is ever duplicated. A
 weight push answered ABORTED while the service already serves the target version counts as applied.
-Trajectories are the proto messages (`forkrl.rollout.v1.Trajectory`). Every call carries the services'
-token (`authorization: Bearer …`, from FORKRL_TOKEN / FORKRL_TOKEN_FILE unless given), over TLS when
-FORKRL_TLS_CA names the CA of the service's certificate (forkrl.security.grpc_channel).
+Trajectories are the proto messages (`forkrl.rollout.v1.Trajectory`). The calls of vLLM's weight-transfer API
+(init_weight_transfer ... finish_weight_update) are never retried: each is one step of a broadcast the trainer
+runs beside it. `RolloutWeightSync` is vLLM's `VLLMWeightSyncClient` over one or more services. Every call carries
+the services' token (`authorization: Bearer …`, from FORKRL_TOKEN / FORKRL_TOKEN_FILE unless given), over TLS when
+FORKRL_TLS_CA names the CA of the service's certificate (forkrl.remote.channel.grpc_channel).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from forkrl.security import grpc_channel
+from forkrl.remote.channel import grpc_channel
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 
@@ -80,7 +83,7 @@ class RolloutClient:
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------------------------------ API
-    def health(self, timeout_s: float = 5.0) -> int:
+    def health(self, timeout_s: float = 60.0) -> int:
         """The service's health status (health_pb2.HealthCheckResponse.SERVING == 1)."""
         return self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s).status
 
@@ -157,7 +160,7 @@ class RolloutClient:
     ) -> int:
         """Push a state dict (chunked, checksummed); returns the service's new version. The full
         response (receive/apply/drain times) is kept in `last_weights_response`."""
-        from forkrl.weights.wire import pack_state_dict  # torch: imported only by callers that push weights
+        from forkrl.weights.chunks import pack_state_dict  # torch: imported only by callers that push weights
 
         def call(left: float) -> pb.UpdateWeightsResponse:
             packed = pack_state_dict(state_dict, chunk_bytes)
@@ -213,3 +216,112 @@ class RolloutClient:
             lambda left: self._stub.GetInfo(pb.GetInfoRequest(), timeout=left, wait_for_ready=self.wait_for_ready),
             timeout_s
         )
+
+    # ---------------------------------------- vLLM's weight-transfer API (rollout_service/transfer.py); no retries
+    def init_weight_transfer(self, run_id: str, backend: str, master_address: str, master_port: int, world_size: int,
+                             rank_offset: int, *, packed: bool = False, packed_buffer_size_bytes: int = 0,
+                             packed_num_buffers: int = 0, timeout_s: float = 120.0) -> None:
+        """The engine's workers join the trainer's process group (returns once all members joined)."""
+        self._stub.InitWeightTransfer(pb.InitWeightTransferRequest(
+            run_id=run_id, backend=backend, master_address=master_address, master_port=master_port,
+            world_size=world_size, rank_offset=rank_offset, packed=packed,
+            packed_buffer_size_bytes=packed_buffer_size_bytes, packed_num_buffers=packed_num_buffers),
+            timeout=timeout_s, wait_for_ready=self.wait_for_ready)
+
+    def start_weight_update(self, run_id: str, target_version: int, *, timeout_s: float | None = None) -> None:
+        self._stub.StartWeightUpdate(pb.StartWeightUpdateRequest(run_id=run_id, target_version=target_version),
+                                     timeout=self.timeout_s if timeout_s is None else timeout_s,
+                                     wait_for_ready=self.wait_for_ready)
+
+    def update_weight_chunk(self, run_id: str, target_version: int, names: Sequence[str], dtype_names: Sequence[str],
+                            shapes: Sequence[Sequence[int]], *, next: Mapping[str, Any] | None = None,
+                            timeout_s: float | None = None) -> None:
+        """One chunk: the service's workers receive these tensors from the trainer's broadcast during the call.
+        `next` ({names, dtype_names, shapes}): the chunk that follows (gloo: received while this one loads)."""
+        n = next or {}
+        self._stub.UpdateWeightChunk(pb.UpdateWeightChunkRequest(
+            run_id=run_id, target_version=target_version, names=list(names), dtype_names=list(dtype_names),
+            shapes=[pb.TensorShape(dims=list(s)) for s in shapes], next_names=list(n.get("names", [])),
+            next_dtype_names=list(n.get("dtype_names", [])),
+            next_shapes=[pb.TensorShape(dims=list(s)) for s in n.get("shapes", [])]),
+            timeout=self.timeout_s if timeout_s is None else timeout_s, wait_for_ready=self.wait_for_ready)
+
+    def finish_weight_update(self, run_id: str, target_version: int, *,
+                             timeout_s: float | None = None) -> pb.FinishWeightUpdateResponse:
+        return self._stub.FinishWeightUpdate(
+            pb.FinishWeightUpdateRequest(run_id=run_id, target_version=target_version),
+            timeout=self.timeout_s if timeout_s is None else timeout_s, wait_for_ready=self.wait_for_ready)
+
+    def abort_weight_update(self, run_id: str, target_version: int, *, timeout_s: float = 60.0) -> bool:
+        return self._stub.AbortWeightUpdate(
+            pb.AbortWeightUpdateRequest(run_id=run_id, target_version=target_version),
+            timeout=timeout_s, wait_for_ready=self.wait_for_ready).aborted
+
+    def shutdown_weight_transfer(self, run_id: str, *, timeout_s: float = 60.0) -> None:
+        self._stub.ShutdownWeightTransfer(pb.ShutdownWeightTransferRequest(run_id=run_id), timeout=timeout_s,
+                                          wait_for_ready=self.wait_for_ready)
+
+
+class RolloutWeightSync:
+    """vLLM's `VLLMWeightSyncClient` (vllm/distributed/weight_transfer/base.py) over rollout services: a trainer
+    engine (forkrl/weights/transfer_gloo.py, or vLLM's NCCL one) drives a push through it, and each call goes to
+    every service at once (a thread each), for the session of `run_id` that makes service j serve `targets[j]`
+    (set before each push). Service j's workers take the ranks from the init info's `rank_offset` + the workers of
+    the services before it (`workers`, from GetInfo). A call that fails on any service raises its first error
+    once every service answered (`abort()` then ends the sessions the others still hold)."""
+
+    def __init__(self, clients: Sequence[RolloutClient], run_id: str, backend: str, workers: Sequence[int]) -> None:
+        self.clients = list(clients)
+        self.run_id = run_id
+        self.backend = backend
+        self.workers = list(workers)
+        self.targets = [0] * len(self.clients)
+        self.finished: list[pb.FinishWeightUpdateResponse] = []  # of the last push, per service
+        self._pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="forkrl-weight-sync")
+
+    def _each(self, call: Callable[[int, RolloutClient], T]) -> list[T]:
+        futures = [self._pool.submit(call, j, c) for j, c in enumerate(self.clients)]
+        errors = [f.exception() for f in futures]
+        for e in errors:
+            if e is not None:
+                raise e
+        return [f.result() for f in futures]
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        base = int(init_info["rank_offset"])
+        self._each(lambda j, c: c.init_weight_transfer(
+            self.run_id, self.backend, str(init_info["master_address"]), int(init_info["master_port"]),
+            int(init_info["world_size"]), base + sum(self.workers[:j]), packed=bool(init_info.get("packed", False)),
+            packed_buffer_size_bytes=int(init_info.get("packed_buffer_size_bytes", 0)),
+            packed_num_buffers=int(init_info.get("packed_num_buffers", 0))))
+
+    def start_weight_update(self) -> None:
+        self._each(lambda j, c: c.start_weight_update(self.run_id, self.targets[j]))
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        if not isinstance(update_info, dict):
+            raise ValueError("per-worker update infos are not supported: every worker receives the same chunk")
+        self._each(lambda j, c: c.update_weight_chunk(self.run_id, self.targets[j], update_info["names"],
+                                                      update_info["dtype_names"], update_info["shapes"],
+                                                      next=update_info.get("next")))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Commit on every service (each as its own targets[j]; `weight_version`, the trainer's, is not sent)."""
+        self.finished = self._each(lambda j, c: c.finish_weight_update(self.run_id, self.targets[j]))
+
+    def abort(self) -> None:
+        """Best effort: end the push's session wherever one is still open."""
+        for j, c in enumerate(self.clients):
+            try:
+                c.abort_weight_update(self.run_id, self.targets[j])
+            except grpc.RpcError:
+                pass
+
+    def shutdown(self) -> None:
+        """Best effort: every service leaves the process group."""
+        for c in self.clients:
+            try:
+                c.shutdown_weight_transfer(self.run_id)
+            except grpc.RpcError:
+                pass
+        self._pool.shutdown(wait=False)

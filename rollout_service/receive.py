@@ -1,4 +1,4 @@
-"""Receiving pushed weights: the chunk stream of UpdateWeights into a verified safetensors staging file.
+"""Receiving pushed weights: the chunk stream of UpdateWeights into a verified safetensors file in the staging dir.
 
 The file is written as it arrives (header first, then the raw tensor bytes in stream order), hashed on the
 way, and checked for size and sha256 before anything touches the engine; the engine then reloads from
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from forkrl.weights.chunks import CHUNK_BYTES, TensorMeta
 from forkrl.weights.safetensors import safetensors_prefix
-from forkrl.weights.wire import CHUNK_BYTES, TensorMeta
 from rollout_service.types import ChecksumMismatch, InvalidArgument, ResourceExhausted
 
 log = logging.getLogger("rollout_service")
@@ -38,7 +38,7 @@ def default_staging_dir() -> Path:
 
 
 @dataclass
-class Staged:
+class Received:
     """A received and verified update, ready for the engine's reload."""
 
     path: Path
@@ -47,24 +47,24 @@ class Staged:
     handed_over: bool = False
 
     def hand_over(self) -> Path:
-        """Give the file to whoever reloads from it (they delete it); `staged_weights` then leaves it alone."""
+        """Give the file to whoever reloads from it (they delete it); `received_weights` then leaves it alone."""
         self.handed_over = True
         return self.path
 
 
 @contextlib.asynccontextmanager
-async def staged_weights(
+async def received_weights(
     staging_dir: Path,
     target_version: int,
     metas: Sequence[TensorMeta],
     total_bytes: int,
     sha256: str,
     chunks: AsyncIterator[bytes],
-) -> AsyncIterator[Staged]:
+) -> AsyncIterator[Received]:
     """Receive `chunks` into a staging file laid out by `metas` (already validated), check the byte count
     and the checksum, and yield the file; it is deleted when the block exits, whatever happened (a bad
     chunk, a mismatch, the caller's stream cancelled before the swap), unless it was handed over to the swap
-    (`Staged.hand_over`), which deletes it when the reload is over: a cancelled caller must not pull the file
+    (`Received.hand_over`), which deletes it when the reload is over: a cancelled caller must not pull the file
     from under a reload that is still reading it."""
     t0 = time.perf_counter()
     if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256.lower()):
@@ -75,10 +75,10 @@ async def staged_weights(
         raise ResourceExhausted(f"staging dir {staging_dir} has {free} bytes free, the weights need {total_bytes}")
     fd, name = tempfile.mkstemp(prefix=f"v{target_version}-", suffix=".safetensors", dir=staging_dir)
     path = Path(name)
-    staged: Staged | None = None
+    staged: Received | None = None
     try:
         received = 0
-        stager = _Stager(os.fdopen(fd, "wb", buffering=0), prefix)
+        writer = _Writer(os.fdopen(fd, "wb", buffering=0), prefix)
         try:
             async for chunk in chunks:
                 if len(chunk) > CHUNK_BYTES:
@@ -86,25 +86,25 @@ async def staged_weights(
                 received += len(chunk)
                 if received > total_bytes:
                     raise InvalidArgument(f"received more than header.total_bytes ({total_bytes}) bytes")
-                await stager.put(chunk)
-            got = await stager.finish()
+                await writer.put(chunk)
+            got = await writer.finish()
         finally:
-            stager.close()
+            writer.close()
         receive_s = time.perf_counter() - t0
         log.info("v%d: received %d bytes in %.3f s (%.3f s hashing and staging)", target_version, received,
-                 receive_s, stager.busy_s)
+                 receive_s, writer.busy_s)
         if received != total_bytes:
             raise InvalidArgument(f"the stream ended after {received} of header.total_bytes {total_bytes} bytes")
         if got != sha256.lower():
             raise ChecksumMismatch(f"sha256 of the received bytes is {got}, header.sha256 says {sha256}")
-        staged = Staged(path, received, receive_s)
+        staged = Received(path, received, receive_s)
         yield staged
     finally:
         if staged is None or not staged.handed_over:
             path.unlink(missing_ok=True)
 
 
-class _Stager:
+class _Writer:
     """Hash and write received chunks in worker threads while the next ones arrive. sha256 and the
     tmpfs write release the GIL, so neither the event loop (health, generation) nor the receiving
     stalls; at most `depth` chunks (4 MiB each) wait in between."""
@@ -121,8 +121,8 @@ class _Stager:
     async def _run(self) -> None:
         while (chunk := await self._queue.get()) is not None:
             t = time.perf_counter()
-            # hash and write the same chunk in two threads: each is a pass over memory (~0.3 s per
-            # 400 MB here), so with a free core the staging costs one pass instead of two
+            # hash and write the same chunk in two threads: each is a pass over memory, so with a free core
+            # the staging costs one pass instead of two
             await asyncio.gather(asyncio.to_thread(self._digest.update, chunk), asyncio.to_thread(self._write, chunk))
             self.busy_s += time.perf_counter() - t
 

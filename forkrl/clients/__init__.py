@@ -1,1 +1,0 @@
-"""gRPC clients of the forkrl services (deadlines, health waits, retries of UNAVAILABLE only)."""

@@ -1,0 +1,407 @@
+"""A `gloo` backend for vLLM's weight-transfer API: the same path as vLLM's `nccl` backend, on CPU.
+
+vLLM (vllm/distributed/weight_transfer/) moves a trainer's weights into its engines by a broadcast from the
+trainer's sender rank (rank 0) to every worker of every engine over a process group of their own: the engine's
+`init_weight_transfer_engine` joins the group, `start_weight_update` starts vLLM's layerwise reload, each
+`update_weights(names, dtypes, shapes)` receives one chunk of tensors and loads them, `finish_weight_update`
+finalizes. This module is that backend over gloo, registered under the name "gloo" with both of vLLM's factories
+at import:
+- worker side, `GlooWeightTransferEngine` (`WeightTransferEngineFactory`): the rollout service's worker extension
+  imports this module in vLLM's worker process before the model is loaded, where vLLM creates the engine of
+  `WeightTransferConfig(backend="gloo")`;
+- trainer side, `GlooTrainerWeightTransferEngine` (`WeightTransferTrainerFactory`), on every trainer rank:
+  rank 0 sends, the others join the gathers of an FSDP2-sharded model (`WeightSource` iteration).
+
+The group is rank 0 (the trainer's sender, which hosts the TCPStore rendezvous at master_address:master_port, so
+the trainer and the engines can be separate hosts with no shared filesystem) plus every worker at
+`rank_offset + its rank in its engine`. It is built beside, never through, the global default group (the trainer's
+FSDP ranks and vLLM's worker each have one) and broadcasts with the ProcessGroup object's own ranks.
+
+The sender streams layer by layer (`WeightSource.iter_groups`, vLLM's `layerwise_groups`): per group every trainer
+rank materializes the group's tensors (FSDP2 all-gathers), the sender calls the engine's `update_weights` for
+that group concurrently with broadcasting the tensors, then they are freed. Pipelined: each chunk names the one
+that follows (`next`), so the workers post its receives at once and the sender broadcasts it while the workers
+still load (vLLM's layerwise processing) the current one; the trainer holds at most two groups (a decoder layer,
+or the embeddings) gathered at a time, never the model. A worker checks every received tensor is finite and
+refuses the chunk otherwise (`NonFiniteWeights`); a chunk its service refused before loading is received and
+dropped (`discard`). An update that ends without finishing drops the group on both sides (receives posted ahead
+cannot be taken back): the trainer forms it again for its next push.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+from forkrl.weights.finite import is_finite
+from forkrl.weights.safetensors import DTYPES
+
+BACKEND = "gloo"
+TIMEOUT_S = 300.0  # one broadcast (and the TCPStore) may wait this long for a peer
+CONNECT_TIMEOUT_S = 60.0  # joining the group: every member connects within this
+Spec = tuple[str, str, list[int]]  # one tensor of a chunk: name, dtype name, shape
+
+
+class NonFiniteWeights(ValueError):
+    """A received tensor holds a NaN or inf: the chunk is refused (the message names the tensor)."""
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """Worker side: where the group meets, its size, this engine's first rank in it, the broadcast timeout."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    timeout_s: float = TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in [1, 65535], got {self.master_port}")
+        if not 0 < self.rank_offset < self.world_size:
+            raise ValueError(f"rank_offset must be in [1, world_size {self.world_size}), got {self.rank_offset}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """One chunk: the tensors the sender broadcasts next, in order. `discard`: receive them and drop them. `next`:
+    the chunk that follows ({names, dtype_names, shapes}), received while this one loads."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    discard: bool = False
+    next: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        _specs(self.names, self.dtype_names, self.shapes)
+        if self.next is not None:
+            _specs(self.next.get("names", []), self.next.get("dtype_names", []), self.next.get("shapes", []))
+
+    def specs(self) -> list[Spec]:
+        return _specs(self.names, self.dtype_names, self.shapes)
+
+    def next_specs(self) -> list[Spec]:
+        n = self.next or {}
+        return _specs(n.get("names", []), n.get("dtype_names", []), n.get("shapes", []))
+
+
+def _specs(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[Spec]:
+    if not len(names) == len(dtype_names) == len(shapes):
+        raise ValueError(f"names, dtype_names and shapes must have one entry per tensor, got "
+                         f"{len(names)}, {len(dtype_names)}, {len(shapes)}")
+    for name, dtype in zip(names, dtype_names, strict=True):
+        if dtype not in DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return [(n, d, [int(x) for x in s]) for n, d, s in zip(names, dtype_names, shapes, strict=True)]
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """Trainer side: the address the sender (rank 0) listens on for the rendezvous (port 0: a free one), the size
+    of the group (1 + every worker of every engine) and the broadcast timeout. `rank` (keyword): this trainer
+    rank."""
+
+    backend: ClassVar[str] = BACKEND
+
+    master_address: str
+    master_port: int
+    world_size: int
+    timeout_s: float = TIMEOUT_S
+
+
+def _join(address: str, port: int, rank: int, world_size: int, timeout_s: float,
+          listen: socket.socket | None = None) -> Any:
+    """A gloo ProcessGroup of `world_size` over a TCPStore at address:port (rank 0 serves it, from `listen` when
+    given), apart from the default group. Joining waits at most CONNECT_TIMEOUT_S; broadcasts `timeout_s`."""
+    from torch.distributed import PrefixStore, rendezvous
+    from vllm.distributed.utils import create_tcp_store, init_gloo_process_group
+
+    connect = datetime.timedelta(seconds=min(CONNECT_TIMEOUT_S, timeout_s))
+    if listen is not None:
+        store = create_tcp_store(address, port, listen_socket=listen, world_size=world_size, is_master=True,
+                                 timeout=connect, multi_tenant=True)
+    else:
+        store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=connect))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store.set_timeout(timeout)
+    return init_gloo_process_group(PrefixStore(f"forkrl-weights/{address}:{port}", store), rank, world_size, timeout)
+
+
+def _post(group: Any, tensor: torch.Tensor) -> Any:
+    """Post a broadcast from rank 0 (sent from `tensor` on rank 0, received into it elsewhere); its Work. Posted
+    ops run in posting order on every rank."""
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    return group.broadcast([tensor], opts)
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+    _post(group, tensor).wait()
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+    """Worker side: receives each chunk by broadcast from rank 0 and loads it through vLLM's layerwise reload
+    (started by `start_weight_update`, finalized by `finish_weight_update`): on CPU that pipeline re-packs the
+    oneDNN weights, which a plain `model.load_weights` after start-up does not."""
+
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: Any = None
+        self.in_update = False  # between start_weight_update and finish (or abort)
+        self._ahead: tuple[list[Spec], list[torch.Tensor], list[Any]] | None = None  # the next chunk, posted
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        self.shutdown()  # a new trainer connection replaces the last one
+        pc = self.parallel_config
+        rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
+        if rank >= init_info.world_size:
+            raise ValueError(f"this worker's rank {rank} is outside world_size {init_info.world_size}")
+        self.group = _join(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                           init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self.in_update = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's base class also calls torch.accelerator.synchronize(), which raises on a CPU-only machine; every
+        # broadcast this chunk needs is waited for here, so there is nothing to synchronize
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def _post_all(self, specs: list[Spec]) -> tuple[list[torch.Tensor], list[Any]]:
+        tensors = [torch.empty(shape, dtype=DTYPES[dtype]) for _, dtype, shape in specs]
+        return tensors, [_post(self.group, t) for t in tensors]
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        """Receive the chunk's tensors (posted by the previous chunk when it announced this one) and load each
+        finite one as it arrives, while the next chunk's receives (`next`) run behind them. Every tensor of the
+        chunk is received; a NaN or inf raises NonFiniteWeights at the end, naming the first such tensor (the
+        tensors after it are not loaded)."""
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialized (init_weight_transfer_engine first)")
+        specs = update_info.specs()
+        if self._ahead is not None:
+            announced, tensors, works = self._ahead
+            self._ahead = None
+            if announced != specs:
+                self.shutdown()  # receives are posted for other tensors: the group is out of step
+                raise RuntimeError("the chunk is not the one the previous chunk announced; the group is dropped")
+        else:
+            tensors, works = self._post_all(specs)
+        if update_info.next and not update_info.discard:
+            following = update_info.next_specs()
+            self._ahead = (following, *self._post_all(following))
+        bad: list[str] = []
+
+        def arrived() -> Iterator[tuple[str, torch.Tensor]]:
+            for (name, _, _), t, work in zip(specs, tensors, works, strict=True):
+                work.wait()
+                if update_info.discard or bad:
+                    continue
+                if is_finite(t):
+                    yield name, t
+                else:
+                    bad.append(name)
+
+        stream = arrived()
+        if not update_info.discard:
+            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+            with disable_mtp_completeness_check():
+                self.model.load_weights(stream)
+        for _ in stream:  # whatever was not loaded is still received
+            pass
+        if bad:
+            raise NonFiniteWeights(f"tensor {bad[0]!r} holds NaN or inf values")
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if self._ahead is not None:
+            raise RuntimeError("the update finished with a chunk announced and never sent")
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.in_update = False
+
+    def abort_weight_update(self) -> None:
+        """End an update that will not finish: vLLM's finalize puts the kept tensors back in every layer that got
+        nothing (a model with a layer left on the meta device cannot run); layers that were loaded keep theirs.
+        Receives posted ahead cannot be taken back: the group is dropped (the trainer forms it again)."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.shutdown()
+        if self.in_update:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+            self.in_update = False
+
+    def shutdown(self) -> None:
+        group, self.group, self._ahead = self.group, None, None
+        if group is not None:
+            try:
+                group.shutdown()
+            except Exception:  # noqa: BLE001 - a broken group: dropping it is all that is left
+                pass
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """Trainer side, on every trainer rank: rank 0 (the sender) holds the group and calls the engines through
+    `client`; every rank iterates the source group by group (the FSDP2 gathers are collectives)."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | None = None,
+                 is_sender: bool = True) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.group: Any = None
+        self.port = 0
+        self.last_stats: dict[str, float] = {}  # of the last send: bytes, groups, peak_held_bytes
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
+                     source: WeightSource | None = None) -> GlooTrainerWeightTransferEngine:
+        if source is None:
+            raise ValueError("the gloo trainer weight transfer needs a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        if not engine.is_sender:
+            return engine
+        listen = socket.create_server((init_info.master_address, init_info.master_port))
+        engine.port = listen.getsockname()[1]
+        worker_info = {"master_address": init_info.master_address, "master_port": engine.port, "rank_offset": 1,
+                       "world_size": init_info.world_size, "timeout_s": init_info.timeout_s}
+        joined: list[Any] = []
+
+        def join() -> None:
+            try:
+                joined.append(_join(init_info.master_address, engine.port, 0, init_info.world_size,
+                                    init_info.timeout_s, listen=listen))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                joined.append(e)
+
+        # the engines join inside init_weight_transfer_engine while this rank serves the rendezvous; the join runs
+        # on a daemon thread, so an engine that refuses the init fails the call at once instead of after the wait
+        joiner = threading.Thread(target=join, name="forkrl-gloo-join", daemon=True)
+        joiner.start()
+        try:
+            client.init_weight_transfer_engine(worker_info)
+        except BaseException:
+            listen.close()
+            raise
+        joiner.join()
+        if isinstance(joined[0], BaseException):
+            raise joined[0]
+        engine.group = joined[0]
+        return engine
+
+    def send_weights(self) -> None:
+        self.send()
+
+    def send(self, weight_version: str | None = None) -> None:
+        """start -> one update_weights per layerwise group, concurrent with its broadcast -> finish. Pipelined:
+        group g's broadcasts are posted before group g-1's update returns (the workers posted g's receives when
+        g-1 announced it), so g travels while the workers load g-1. Every rank iterates the whole source even
+        after an error (the others are in its gathers); the error is raised after."""
+        assert self.source is not None
+        source = self.source
+        if not self.is_sender:
+            for _ in source.iter_groups():
+                pass
+            return
+        assert self.group is not None, "trainer_init() first"
+        meta = {m.name: m for m in source.metadata()}
+        order = source.groups()
+
+        def chunk(g: int) -> dict[str, Any]:
+            names = order[g]
+            return {"names": list(names), "dtype_names": [str(meta[n].dtype).removeprefix("torch.") for n in names],
+                    "shapes": [list(meta[n].shape) for n in names]}
+
+        self.client.start_weight_update()
+        error: BaseException | None = None
+        sent = held = groups = 0  # held: the most bytes of gathered groups alive at once (this one + the last)
+        rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forkrl-gloo-rpc")
+        previous: tuple[Any, list[Any], list[torch.Tensor], int] | None = None  # call, works, tensors, bytes
+        try:
+            for g, (_, tensors) in enumerate(source.iter_groups()):  # each rank materializes the group here
+                groups += 1
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                if error is not None:
+                    del tensors
+                    continue
+                try:
+                    info = chunk(g) | {"next": chunk(g + 1) if g + 1 < len(order) else None}
+                    if previous is None:
+                        call = rpc.submit(self.client.update_weights, info)
+                    tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+                    works = [_post(self.group, t) for t in tensors]
+                    held = max(held, nbytes + (previous[3] if previous is not None else 0))
+                    if previous is not None:
+                        previous[0].result()  # the workers loaded g-1 (and posted g's receives before)
+                        for w in previous[1]:
+                            w.wait()
+                        sent += previous[3]
+                        call = rpc.submit(self.client.update_weights, info)
+                    previous = (call, works, tensors, nbytes)
+                except BaseException as e:  # noqa: BLE001 - raised once every rank is through the source
+                    error = e
+                del tensors
+            if error is None and previous is not None:
+                previous[0].result()
+                for w in previous[1]:
+                    w.wait()
+                sent += previous[3]
+        except BaseException as e:  # noqa: BLE001
+            error = error or e
+        finally:
+            previous = None
+            rpc.shutdown(wait=False)  # never wait on a call whose broadcast peer may be gone
+        self.last_stats = {"bytes": float(sent), "groups": float(groups), "peak_held_bytes": float(held)}
+        if error is not None:
+            raise error
+        self.client.finish_weight_update(weight_version)
+
+    def shutdown(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                group.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _register() -> None:
+    for factory, name in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
+                          (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
+        try:
+            factory.register_engine(BACKEND, __name__, name)
+        except ValueError:  # registered already (this module imported under a second name)
+            pass
+
+
+_register()

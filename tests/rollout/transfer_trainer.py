@@ -1,0 +1,80 @@
+"""A trainer process for tests/rollout/test_weight_transfer.py: pushes weights into a rollout service through the
+gloo weight-transfer backend (forkrl/weights/transfer_gloo.py), with the trainer's own code (`Rollouts.push`,
+--weight-sync transfer), from a process of its own.
+
+    python -m tests.rollout.transfer_trainer --address HOST:PORT --model DIR --out pushed.safetensors \\
+        --mode all|head|inf|abandon --seed 1 --run-id RUN
+
+It writes the weights it pushes to --out first (the test's reference), then prints one JSON line: {"version": the
+service's version after the push} or {"code": the gRPC status, "details": ...}. Modes: all = every tensor
+perturbed; head = only lm_head.weight changed; inf = `all` with an inf in one tensor; abandon = `all`, but the
+process exits right after the first chunk (a trainer that dies mid-push).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import grpc
+import torch
+
+INF_TENSOR = "model.layers.1.mlp.down_proj.weight"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--address", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--mode", choices=["all", "head", "inf", "abandon"], default="all")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--run-id", default="transfer-test")
+    args = p.parse_args()
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from forkrl.remote.rollout import RolloutWeightSync
+    from forkrl.training.rollouts import Rollouts
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    g = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if args.mode == "head" and name != "lm_head.weight":
+                continue
+            scale = 2.0 if args.mode == "head" else 1.0
+            param.mul_(scale).add_(0.3 * param.std() * torch.randn(param.shape, generator=g))
+        if args.mode == "inf":
+            model.get_parameter(INF_TENSOR)[1, 2] = float("inf")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.out)
+
+    if args.mode == "abandon":  # the process dies right after its first chunk was received
+        first = RolloutWeightSync.update_weights
+
+        def update_then_die(self: RolloutWeightSync, update_info: dict) -> None:
+            first(self, update_info)
+            print(json.dumps({"abandoned_after": update_info["names"]}), flush=True)
+            os._exit(3)
+
+        RolloutWeightSync.update_weights = update_then_die  # type: ignore[method-assign]
+
+    rollouts = Rollouts([args.address], run_id=args.run_id)  # the token: FORKRL_TOKEN of the environment
+    try:
+        rollouts.push(model, 1, "transfer", Path(tempfile.gettempdir()))
+        out = {"version": rollouts.clients[0].info().version, **rollouts.last_transfer}
+    except grpc.RpcError as e:
+        out = {"code": e.code().name, "details": e.details()}
+    finally:
+        rollouts.close()
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
