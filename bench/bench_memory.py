@@ -2,21 +2,25 @@
 
     python bench/bench_memory.py       # 1 process (fp32) and 2 gloo ranks (FSDP2, fp32 and bf16), checkpointing off/on
     python bench/bench_memory.py --ranks 2 --precision bf16 --micro 2     # one unpadded row per rank (no mask)
+    python bench/bench_memory.py --ranks 2 --grad-sync last               # gradients unsharded between micro-batches
 
 A random-init Qwen2 (built from a Qwen2Config in memory, as forkrl/models/random_qwen2.py builds its sizes;
 defaults: hidden 512, 4 layers, 8 heads / 2 kv heads, intermediate 1536, vocab 16384, untied: 28.8 M
 parameters) and one fixed batch (8 rows of a 64-token prompt and a 448- or 440-token response, so rows of a
 micro-batch are right-padded: SDPA's mask path), trained by forkrl's own step (`train_step`
 on 1 process, FSDP2 `shard_model` on 2 ranks under torchrun; bf16 = its MixedPrecisionPolicy, as on CUDA) in
-one update of micro-batches of `--micro` rows (dealt over the ranks), dapo, micro-batch top-k 0.2, AdamW.
-One warm-up step creates AdamW's state; the second step runs under torch.profiler with profile_memory=True,
-whose allocation events give the live tensor bytes at every instant (CPU tensors have no allocator
-statistics; RSS would mix in the interpreter and freed pages). Hooks on the model mark the start and end of
-each forward. Compared with the plan (CPU: no runtime, fragmentation or device-copy terms), on rank 0:
+one update of micro-batches of `--micro` rows (dealt over the ranks), dapo, micro-batch top-k 0.2, AdamW, the
+gradients reduce-scattered every micro-batch (train_step's default; `--grad-sync last`: once per update).
+One warm-up step creates AdamW's state; the second step runs under torch.profiler with profile_memory=True, whose
+allocation events give the live tensor bytes at every instant (CPU tensors have no allocator statistics; RSS
+would mix in the interpreter and freed pages). Sentinel allocations (sizes no tensor of the step has) mark the
+start and end of the step and of each forward in the same event stream. Compared with the plan (CPU: no runtime,
+fragmentation or device-copy terms), on rank 0:
 - static (exact, by count): fp32 weights (local shards), AdamW exp_avg + exp_avg_sq + step counters;
 - gradients: the live bytes at the start of the second micro-batch minus at the step's start;
-- forward end: the live bytes when the second micro-batch's forward returns minus at its start (the saved
-  activations, the logits and the final norm's saved tensors);
+- forward end: the live bytes when the second micro-batch's model forward returns minus at its start (the saved
+  activations, the final norm's saved tensors and its output; on 2 ranks the root unit, gathered until the
+  backward), before the chunked loss runs;
 - peak: the step's highest live bytes minus at its start (gradients, FSDP2 working set, activations, loss).
 Prints predicted, measured and measured / predicted. Nothing asserts: the static rows are exact by
 construction, the others are estimates (docs/results.md has a run).
@@ -25,13 +29,11 @@ construction, the others are estimates (docs/results.md has a run).
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +43,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import memory_plan as plan  # noqa: E402  (torch-free formulas)
 
 MIB = 1 << 20
+# byte sizes of the sentinel allocations that mark instants in the profiler's event stream (sizes no tensor of
+# the step has)
+SENTINELS = {"step_start": 1_000_003, "step_end": 1_000_033, "fwd_start": 1_000_037, "fwd_end": 1_000_039}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +64,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "row has 8 fewer)")
     p.add_argument("--micro", default="4", help="comma-separated micro_batch_size values (rows of a micro-batch over "
                    "all ranks; micro = ranks: one unpadded row per rank, no mask, as the recipe on 4+ ranks)")
+    p.add_argument("--grad-sync", choices=["every", "last"], default="every", help="train_step's grad_sync (2+ ranks)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "on|off,fp32|bf16,MICRO": one measurement
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -105,32 +111,40 @@ def worker(a: argparse.Namespace) -> None:
 
     def step() -> None:
         train_step(model, opt, batch, adv, loss_cfg, temperature=1.0, micro_batch_size=run.micro_batch_size,
-                   max_grad_norm=1.0)
+                   max_grad_norm=1.0, grad_sync=a.grad_sync)
 
     step()  # AdamW's state exists from here on
-    marks: list[tuple[str, int]] = []
-    # before FSDP2's own pre-forward (it gathers the root unit) and after its post-forward (it frees it)
-    model.register_forward_pre_hook(lambda *_: marks.append(("fwd_start", time.time_ns())), prepend=True)
-    model.register_forward_hook(lambda *_: marks.append(("fwd_end", time.time_ns())))
+
+    def mark(kind: str) -> None:  # a sentinel allocation of a size nothing else has: a mark in the event stream
+        torch.empty(SENTINELS[kind], dtype=torch.uint8)
+
+    # before FSDP2's own pre-forward (it gathers the root unit) and after its post-forward
+    model.register_forward_pre_hook(lambda *_: mark("fwd_start"), prepend=True)
+    model.register_forward_hook(lambda *_: mark("fwd_end"))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        marks.append(("step_start", time.time_ns()))
+        mark("step_start")
         step()
-        marks.append(("step_end", time.time_ns()))
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    times, live, total = [], [], 0
-    for t, b in events:
-        total += b
-        times.append(t)
+        mark("step_end")
+    # the allocator's events in the order they happened (a stable sort on time: an allocation and a free in the
+    # same nanosecond keep their order); the live bytes before each event, the marks' positions
+    events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]"), key=lambda tb: tb[0])
+    kinds = {size: kind for kind, size in SENTINELS.items()}
+    live, total, marks = [], 0, []
+    for _, b in events:
+        if abs(b) in kinds:
+            if b > 0:
+                marks.append((kinds[b], len(live)))
+            continue
         live.append(total)
+        total += b
+    live.append(total)
 
-    def at(t: int) -> int:
-        i = bisect.bisect_right(times, t) - 1
-        return live[i] if i >= 0 else 0
+    def at(kind: str, n: int) -> int:
+        return live[[i for k, i in marks if k == kind][n]]
 
-    starts = [t for name, t in marks if name == "fwd_start"]
-    ends = [t for name, t in marks if name == "fwd_end"]
-    base = at(marks[0][1])
-
+    base = at("step_start", 0)
+    first, last = [i for k, i in marks if k == "step_start"][0], [i for k, i in marks if k == "step_end"][0]
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
@@ -139,9 +153,9 @@ def worker(a: argparse.Namespace) -> None:
         "weights": sum(local(p).numel() * 4 for p in model.parameters()),
         "adam": adam,
         # forwards of the step: micro-batch 0, micro-batch 1 (the last), then approx_kl's two no-grad passes
-        "grads": at(starts[1]) - base,
-        "fwd_end": at(ends[1]) - at(starts[1]),
-        "peak": max(live[bisect.bisect_left(times, marks[0][1]): bisect.bisect_right(times, marks[-1][1])]) - base,
+        "grads": at("fwd_start", 1) - base,
+        "fwd_end": at("fwd_end", 1) - at("fwd_start", 1),
+        "peak": max(live[first: last + 1]) - base,
     }
     if info.rank == 0:
         Path(a.out).write_text(json.dumps(out))
@@ -152,7 +166,8 @@ def worker(a: argparse.Namespace) -> None:
 def launch(a: argparse.Namespace, ranks: int, ckpt: str, precision: str, micro: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        dims = [f"--{k}={getattr(a, k)}" for k in ("hidden", "layers", "inter", "vocab", "rows", "prompt", "response")]
+        keys = ("hidden", "layers", "inter", "vocab", "rows", "prompt", "response", "grad_sync")
+        dims = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in keys]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                str(Path(__file__).resolve()), f"--worker={ckpt},{precision},{micro}", f"--out={out}", *dims]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -165,17 +180,19 @@ def launch(a: argparse.Namespace, ranks: int, ckpt: str, precision: str, micro: 
 
 def predicted(a: argparse.Namespace, ranks: int, ckpt: bool, bf16: bool, run: plan.Run) -> dict[str, float]:
     shape = plan.Shape.from_config(config(a), "check")
-    tr = plan.Trainer(ranks=ranks, device="cpu", checkpointing=ckpt, grad_sync="last", mixed_precision=bf16)
+    tr = plan.Trainer(ranks=ranks, device="cpu", checkpointing=ckpt, grad_sync=a.grad_sync, mixed_precision=bf16)
     terms = {n: b for _, n, b in plan.trainer_terms(shape, run, tr)}
     static = sum(v for k, v in terms.items() if k.startswith(("fp32 master", "AdamW")))
     rows = max(1, -(-run.micro_batch_size // ranks))
     seq, cb = run.prompt_tokens + run.max_new_tokens, 2 if bf16 else 4
     saved = next(v for k, v in terms.items() if k.startswith("activations saved"))
+    root = cb * shape.root_params if ranks > 1 else 0.0  # gathered by the forward, kept until the backward
     return {
         "weights": terms["fp32 master weights (sharded)"],
         "adam": terms["AdamW exp_avg + exp_avg_sq (sharded)"] + terms["AdamW step counters"],
         "grads": next(v for k, v in terms.items() if k.startswith("fp32 gradients")),
-        "fwd_end": saved + cb * rows * seq * shape.vocab + (4 + cb) * rows * seq * shape.hidden,
+        # + the final norm's output (the last hidden states), before the chunked loss selects its rows
+        "fwd_end": saved + root + terms["the final RMSNorm's saved tensors"] + cb * rows * seq * shape.hidden,
         "peak": terms["total per rank"] - static,
     }
 

@@ -4,16 +4,18 @@
     python scripts/memory_plan.py --model qwen3-14b --ranks 8 --rollout-tp 1    # every term of one layout
     python scripts/memory_plan.py --model /models/Qwen3-14B-Base/config.json --gpu 80   # a local HF config
     python scripts/memory_plan.py --model qwen2.5-1.5b --ranks 4 --rollout-tp 1         # the seed's layout
+    python scripts/memory_plan.py --model qwen3-8b --ranks 8 --no-checkpointing --grad-sync last   # each switch's cost
 
 No torch: formulas over a model config (a preset or a config.json path) and a recipe (--recipe, default
 recipes/dapo_paper.toml), each term printed; docs/scaling.md "Memory plan" explains them and
-bench/bench_memory.py checks them against a measured CPU step. Trainer, per rank of W: fp32 master weights,
-AdamW moments and fp32 gradients (FSDP2 shards; gradients unsharded when the ranks sync on the last
-micro-batch only), FSDP2's gathered units, the activations of one micro-batch of ceil(micro_batch_size / W)
-rows (each layer's saved tensors, or its input with activation checkpointing, plus the larger of the loss
-phase and the layer phase), the step's tokens, runtime and fragmentation. Compute in bf16 with FSDP2 on CUDA
-(W > 1), fp32 on one process. Engine, per GPU of a tensor-parallel replica: bf16 weights, activations,
-runtime, CUDA graphs, and the KV cache left under gpu_memory_utilization.
+bench/bench_memory.py checks them against a measured CPU step. Trainer (as coded: the recipe's
+activation_checkpointing, gradients reduce-scattered every micro-batch, the loss from the final hidden states in
+chunks), per rank of W: fp32 master weights, AdamW moments and fp32 gradients (FSDP2 shards; unsharded with
+--grad-sync last), FSDP2's gathered units, the activations of one micro-batch of ceil(micro_batch_size / W) rows
+(each layer's saved tensors, or its input with activation checkpointing, plus the largest of the loss phase, the
+layer phase and FSDP2's reduce-scatter of the root unit), the step's tokens, runtime and fragmentation. Compute in
+bf16 with FSDP2 on CUDA (W > 1), fp32 on one process. Engine, per GPU of a tensor-parallel replica: bf16 weights,
+activations, runtime, CUDA graphs, and the KV cache left under gpu_memory_utilization.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ class Run:
     prompt_tokens: int = 2048  # DAPO's verl scripts cap prompts at 2048 tokens
     temperature: float = 1.0
     ppo_epochs: int = 1
+    activation_checkpointing: bool = True
 
     @classmethod
     def from_recipe(cls, path: Path, **overrides: int | None) -> Run:
@@ -173,13 +176,15 @@ class Run:
 class Trainer:
     ranks: int = 8
     device: str = "cuda"
-    checkpointing: bool = True  # activation checkpointing (shard_model's option; the trainer does not set it)
-    grad_sync: str = "every"  # "last": reduce-scatter on the last micro-batch only (forkrl/rl/step.py today)
+    checkpointing: bool | None = None  # activation checkpointing; None: the run's activation_checkpointing
+    grad_sync: str = "every"  # train_step's grad_sync: "every" micro-batch (its default) or "last" only
     mixed_precision: bool | None = None  # bf16 compute; None: on CUDA with FSDP2 (shard_model's default)
 
 
-AS_CODED = dict(checkpointing=False, grad_sync="last")  # what load_policy + train_step do today
-PLANNED = dict(checkpointing=True, grad_sync="every")  # the two switches this plan assumes
+AS_CODED = dict(checkpointing=None, grad_sync="every")  # load_policy + train_step: the run's setting, the default
+# the same code with one switch flipped, to show what each costs
+VARIANTS = {"as coded": AS_CODED, "activation checkpointing off": dict(checkpointing=False, grad_sync="every"),
+            "grad_sync last": dict(checkpointing=None, grad_sync="last")}
 
 
 def layer_bytes_per_token(s: Shape, cb: int, masked: bool, checkpointing: bool) -> dict[str, float]:
@@ -196,18 +201,41 @@ def layer_bytes_per_token(s: Shape, cb: int, masked: bool, checkpointing: bool) 
     return out
 
 
-def trainer_terms(s: Shape, run: Run, tr: Trainer) -> list[tuple[str, str, float]]:
-    """(phase, name, bytes) per rank, the last one the total = the terms of phase "" + the larger phase sum.
+def loss_terms(s: Shape, rows: int, seq: int, resp: int, cb: int, sharded: bool, cpu: bool = False) -> dict[str, float]:
+    """Bytes of the loss phase (forkrl/rl/entropy.py `causal_lm_logprobs_and_entropy`), from the end of the
+    backbone's forward to the gradient of its final hidden states, by part; the last entry is their peak."""
+    v, h, t = s.vocab, s.hidden, rows * seq
+    chunk = min(CHUNK_ROWS, resp) * v
+    out = {"the final RMSNorm's saved tensors": (4 + cb) * t * h,
+           "the response rows' final hidden states (kept for the backward)": cb * resp * h}
+    # forward, per chunk: z = h W^T (and its fp32 copy under bf16), then logsumexp's exp and the entropy's p
+    fwd = 8.0 * chunk
+    # backward, per chunk: the recomputed fp32 softmax (in place into the gradient) and its bf16 copy, and under
+    # bf16 the chunk's product dz^T h before it joins the fp32 accumulator; the rows' gradient; the accumulator
+    bwd = (6.0 * chunk + cb * v * h if cb < 4 else 4.0 * chunk) + cb * resp * h + 4 * v * h
+    bwd += 4 * v * h if cpu and cb < 4 else 0  # the CPU's bf16 matmul writes dz^T h in fp32 first
+    # then the gradient of the whole [r, S, h] final hidden states (zeros + the rows put in), lm_head's gradient
+    # (sharded: unsharded until the root's reduce-scatter; one process: already in the fp32 gradients)
+    after = 2 * cb * t * h + (cb * v * h if sharded else 0)
+    out["a chunk's logits temporaries (forward), or the backward's (+ rows' gradient, fp32 lm_head accumulator)"] = \
+        max(fwd, bwd, after)
+    return out
 
-    Phase "loss": from the end of the forward to the logits' gradient (FSDP2 has resharded everything);
-    phase "layer": the backward through the decoder layers (units gathered again, one layer recomputed).
+
+def trainer_terms(s: Shape, run: Run, tr: Trainer) -> list[tuple[str, str, float]]:
+    """(phase, name, bytes) per rank, the last one the total = the terms of phase "" + the largest phase sum.
+
+    Phase "loss": from the end of the forward to the final hidden states' gradient (the chunked loss);
+    phase "layer": the backward through the decoder layers (units gathered again, one layer recomputed);
+    phase "root" (FSDP2): the end of the backward, when the root unit's gradients are reduce-scattered.
     """
     w = tr.ranks
     sharded = w > 1
+    ckpt = run.activation_checkpointing if tr.checkpointing is None else tr.checkpointing
     cb = 2 if (tr.mixed_precision if tr.mixed_precision is not None else tr.device == "cuda" and sharded) else 4
-    rows = max(1, -(-run.micro_batch_size // w))  # dp.py deals each micro-batch's rows over the ranks
+    rows = max(1, -(-run.micro_batch_size // w))  # the step deals each micro-batch's rows over the ranks
     seq = run.prompt_tokens + run.max_new_tokens
-    tok, resp, v, h = rows * seq, rows * run.max_new_tokens, s.vocab, s.hidden
+    tok, resp, h = rows * seq, rows * run.max_new_tokens, s.hidden
     masked = rows > 1  # right-padded rows of different lengths: SDPA gets a boolean mask, no flash kernel
     n_tensors = len(s.layer_tensors()) * s.layers + len(s.root_tensors())
     shard = shard_elems(s.tensors(), w)
@@ -220,40 +248,41 @@ def trainer_terms(s: Shape, run: Run, tr: Trainer) -> list[tuple[str, str, float
         t.append(("", "fp32 gradients, unsharded (accumulated without reduce-scatter)", 4 * s.params))
     else:
         t.append(("", "fp32 gradients (sharded)", 4 * shard))
-    per_tok = layer_bytes_per_token(s, cb, masked, tr.checkpointing)
+    per_tok = layer_bytes_per_token(s, cb, masked, ckpt)
     layer = sum(per_tok.values()) * tok + (cb * rows * seq * seq if masked else 0)  # + SDPA's float mask
-    saved = (s.layers * cb * tok * h) if tr.checkpointing else s.layers * layer
+    saved = (s.layers * cb * tok * h) if ckpt else s.layers * layer
     saved += rows * seq * seq if masked else 0  # the boolean mask, shared by every layer
-    t.append(("", "activations saved: " + ("each layer's input (checkpointing)" if tr.checkpointing
-                                           else "every layer's tensors"), saved))
-    chunk = min(CHUNK_ROWS, resp) * v
-    extra32 = (4 if cb < 4 else 0) + (4 if run.temperature != 1.0 else 0)
-    fwd = (cb * tok * v + (cb * rows * (seq - 1) * v if rows > 1 else 0)  # logits + reshape copy
-           + chunk * (cb + extra32 + 13))  # a chunk: index_select, fp32/T copies, exp, p*logq, where, mask
-    # backward, chunks last to first: each frees its log-softmax; index_select's full-size gradient of the
-    # second chunk meets the accumulated one (2 copies), while 2 chunks' log-softmax are already gone
-    bwd = 2 * cb * rows * (seq - 1) * v + cb * chunk - 4 * min(resp, 2 * CHUNK_ROWS) * v
-    t += [("loss", "fp32 log-softmax of every response row (kept for backward)", 4 * resp * v),
-          ("loss", "logits (+ reshape copy) + a chunk's temporaries, or 2 logits gradients", max(fwd, bwd)),
-          ("loss", "the final RMSNorm's saved tensors", (4 + cb) * tok * h)]
+    t.append(("", "activations saved: " + ("each layer's input (checkpointing)" if ckpt else "every layer's tensors"),
+              saved))
+    # FSDP2: the root is not resharded after its forward: gathered from the forward to its post-backward, which
+    # reshards it before reducing its gradients
+    root = [("FSDP2: root unit gathered (embeddings, norm, lm_head)", cb * s.root_params)] if sharded else []
+    cpu = tr.device == "cpu"
+    t += [("loss", n, b) for n, b in root + list(loss_terms(s, rows, seq, resp, cb, sharded, cpu).items())]
     if sharded:
         grad_work = cb + (4 if cb < 4 else 0)  # the layer's gradient + its fp32 copy for the reduce-scatter
-        t += [("layer", "FSDP2: root unit gathered (embeddings, norm, lm_head)", cb * s.root_params),
+        t += [("layer", *root[0]),
               ("layer", "FSDP2: 2 decoder layers gathered (current + prefetch)", 2 * cb * s.layer_params),
-              ("layer", "FSDP2: one layer's gradient + its fp32 reduce copy", grad_work * s.layer_params),
-              ("layer", "lm_head gradient, unsharded until the root's reduce-scatter", cb * v * h)]
-    if tr.checkpointing:
+              ("layer", "FSDP2: one layer's gradient + its fp32 reduce copy" + (" (+ gloo's copy)" if cpu else ""),
+               (grad_work + (4 if cpu else 0)) * s.layer_params),
+              ("layer", "lm_head gradient, unsharded until the root's reduce-scatter", cb * s.vocab * h)]
+    if ckpt:
         t.append(("layer", "one layer recomputed (its saved tensors)", layer))
     t.append(("layer", "backward temporaries (gradients of the MLP's intermediates)", 2 * cb * tok * s.inter))
+    if sharded:  # the backward's final callback, after every layer: the root's unsharded gradients are copied into
+        # an fp32 reduce-scatter input, then freed but the embedding's (autograd still holds it), and reduced into
+        # an output of 1/W of it; gloo's reduce-scatter (CPU) reduces a copy of its input
+        pad = 4 * shard_elems(s.root_tensors(), w) * w  # FSDP2 pads every tensor's dim 0 to a multiple of W
+        t.append(("root", "FSDP2: the root's gradients, then their fp32 reduce-scatter input and output",
+                  max(cb * s.root_params + pad, cb * s.vocab * h + pad * (2 if cpu else 1) + pad / w)))
     if tr.device == "cuda":
         step_rows = -(-run.seqs // w)
         per_row = 26 * seq - (4 * seq if run.updates == 1 else 0) + 8 * run.max_new_tokens  # ids, masks, logps
         t.append(("", "the step's token tensors on the device (this rank's rows)", step_rows * per_row))
-    loss = sum(b for ph, _, b in t if ph == "loss")
-    lay = sum(b for ph, _, b in t if ph == "layer")
-    tensors = sum(b for ph, _, b in t if not ph) + max(loss, lay)
-    t += [("", "loss phase total" + (" (the peak)" if loss >= lay else ""), loss),
-          ("", "layer phase total" + (" (the peak)" if lay > loss else ""), lay)]
+    phases = {ph: sum(b for p, _, b in t if p == ph) for ph in ("loss", "layer", "root")}
+    peak = max(phases, key=lambda ph: phases[ph])
+    tensors = sum(b for ph, _, b in t if not ph) + phases[peak]
+    t += [("", f"{ph} phase total", b) for ph, b in phases.items() if sharded or ph != "root"]
     if tr.device == "cuda":
         t += [("", f"allocator fragmentation ({FRAGMENTATION:.0%} of the tensors)", FRAGMENTATION * tensors),
               ("", "runtime: CUDA context, cuBLAS, NCCL", TRAINER_RUNTIME)]
@@ -270,14 +299,13 @@ class Engine:
     max_num_seqs: int = 256  # the rollout service's default
     max_num_batched_tokens: int = 2048  # vLLM's default for AsyncLLM with chunked prefill
     eager: bool = True  # the rollout service's enforce_eager default
-    shadow_copy: bool = False  # the staged swap's second copy of the weights (stage_weights)
 
 
 def engine_terms(s: Shape, run: Run, e: Engine) -> tuple[list[tuple[str, float]], float, int]:
     """(name, bytes) per GPU of one replica, the KV cache left for it, and how many max-length sequences fit."""
     tp, seq = e.tp, run.prompt_tokens + run.max_new_tokens
     w = 2 * s.params / tp
-    t = [("bf16 weights (/ TP)", w)] + ([("staged swap: second copy of the weights", w)] if e.shadow_copy else [])
+    t = [("bf16 weights (/ TP)", w)]
     acts = e.max_num_batched_tokens * (3 * s.inter + s.q + 2 * s.kv) * 2 / tp + e.max_num_batched_tokens * 4 * s.hidden
     t += [("activations: max_num_batched_tokens through a layer", acts),
           ("sampler: fp32 logits, log-probs, probs of max_num_seqs rows", 3 * e.max_num_seqs * s.vocab * 4),
@@ -322,41 +350,42 @@ def _largest(s: Shape, run: Run, tr: Trainer) -> str:
     return f"{n.split(': ')[-1]}: {_gib(b)} GiB"
 
 
-def layouts_table(models: list[str], run: Run, gpus: list[str], max_ranks: int, min_seqs: int,
-                  shadow: bool = False) -> str:
-    lines = ["| model | params | GPU | rollout GPUs: TP (max-length seqs in its KV cache) | trainer as coded: ranks "
-             "(GiB/rank) | trainer with checkpointing + per-micro-batch reduce-scatter: ranks (GiB/rank) "
-             "| smallest layout (rollout + trainer) |", "|" + "---|" * 7]
+def layouts_table(models: list[str], run: Run, gpus: list[str], max_ranks: int, min_seqs: int) -> str:
+    ckpt = "on" if run.activation_checkpointing else "off"
+    lines = ["| model | params | GPU | rollout GPUs: TP (max-length seqs in its KV cache) | trainer as coded "
+             f"(activation checkpointing {ckpt}, reduce-scatter every micro-batch): ranks (GiB/rank) | " +
+             " | ".join(f"trainer, {k}: ranks (GiB/rank)" for k in list(VARIANTS)[1:]) +
+             " | smallest layout as coded (rollout + trainer) |", "|" + "---|" * (5 + len(VARIANTS))]
     for m in models:
         s = load_shape(m)
         for g in gpus:
-            eng = smallest_tp(s, run, Engine(gpu=GPUS[g], shadow_copy=shadow), min_seqs)
-            cells, lay = [], []
-            for label, variant in (("as coded", AS_CODED), ("switches on", PLANNED)):
+            eng = smallest_tp(s, run, Engine(gpu=GPUS[g]), min_seqs)
+            cells, lay = [], "-"
+            for label, variant in VARIANTS.items():
                 tr = Trainer(**variant)
                 r = smallest_ranks(s, run, tr, GPUS[g], max_ranks)
                 why = "" if r else _largest(s, run, replace(tr, ranks=max_ranks))
                 cells.append(f"{r[0]} ({_gib(r[1])})" if r else f"none up to {max_ranks} ({why} per rank alone)")
-                if r and eng:
-                    lay.append(f"{label}: {eng[0]} + {r[0]} = {eng[0] + r[0]}")
+                if r and eng and label == "as coded":
+                    lay = f"{eng[0]} + {r[0]} = {eng[0] + r[0]}"
             tp = f"{eng[0]} ({eng[1]})" if eng else "none up to TP 8"
-            lines.append(f"| {s.name} | {s.params / 1e9:.2f} B | {g} GB | {tp} | {cells[0]} | {cells[1]} | "
-                         f"{'; '.join(lay) or '-'} |")
+            lines.append(f"| {s.name} | {s.params / 1e9:.2f} B | {g} GB | {tp} | {' | '.join(cells)} | {lay} |")
     return "\n".join(lines)
 
 
 def layout_check(model: str, run: Run, gpus: list[str], tp: int, ranks: int) -> str:
     """Does a given layout fit (the seed's: 1 rollout GPU + 4 trainer ranks), per trainer variant."""
     s = load_shape(model)
-    lines = [f"| {s.name}: {tp} rollout GPU(s) + {ranks} trainer ranks | GPU | trainer as coded, GiB/rank | trainer "
-             "with both switches, GiB/rank | engine: max-length seqs in its KV cache |", "|---|---|---|---|---|"]
+    lines = [f"| {s.name}: {tp} rollout GPU(s) + {ranks} trainer ranks | GPU | " +
+             " | ".join(f"trainer {k}, GiB/rank" for k in VARIANTS) + " | engine: max-length seqs in its KV cache |",
+             "|" + "---|" * (3 + len(VARIANTS))]
     for g in gpus:
         cells = []
-        for variant in (AS_CODED, PLANNED):
+        for variant in VARIANTS.values():
             total = trainer_terms(s, run, Trainer(ranks=ranks, **variant))[-1][2]
             cells.append(f"{_gib(total)} ({'fits' if total <= GPUS[g] else 'does not fit'})")
         seqs = engine_terms(s, run, Engine(tp=tp, gpu=GPUS[g]))[2]
-        lines.append(f"| | {g} GB | {cells[0]} | {cells[1]} | {seqs} |")
+        lines.append(f"| | {g} GB | {' | '.join(cells)} | {seqs} |")
     return "\n".join(lines)
 
 
@@ -382,16 +411,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", action="append", help=f"a preset ({', '.join(PRESETS)}) or a config.json path "
                    "(repeatable; default: every preset)")
     p.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "dapo_paper.toml", help="a RunConfig TOML "
-                   "(its batch, mini-batch, micro-batch, max_new_tokens, temperature, ppo_epochs)")
+                   "(its batch, mini-batch, micro-batch, max_new_tokens, temperature, ppo_epochs, "
+                   "activation_checkpointing)")
     p.add_argument("--prompt-tokens", type=int, help="longest prompt in tokens (default 2048)")
     p.add_argument("--max-new-tokens", type=int, help="override the recipe's response length")
     p.add_argument("--micro-batch-size", type=int, help="override the recipe's micro_batch_size (global rows)")
     p.add_argument("--gpu", choices=list(GPUS), action="append", help="GPU size in GB (default: 80 and 141)")
     p.add_argument("--ranks", type=int, help="print every term for this many trainer ranks instead of searching")
     p.add_argument("--rollout-tp", type=int, default=1, help="tensor-parallel GPUs of the engine (with --ranks)")
-    p.add_argument("--as-coded", action="store_true", help="with --ranks: no activation checkpointing, gradient "
-                   "sync on the last micro-batch only (today's trainer); default: both switches on")
-    p.add_argument("--shadow-copy", action="store_true", help="count the staged swap's second copy of the weights")
+    p.add_argument("--no-checkpointing", action="store_true", help="with --ranks: activation checkpointing off "
+                   "(default: the recipe's activation_checkpointing)")
+    p.add_argument("--grad-sync", choices=["every", "last"], default="every", help="with --ranks: train_step's "
+                   "grad_sync (default every: gradients reduce-scattered after every micro-batch)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="with --ranks: cpu = fp32, no "
                    "runtime, fragmentation or device copies (what bench/bench_memory.py measures)")
     p.add_argument("--max-ranks", type=int, default=1024, help="the most trainer ranks the search tries")
@@ -405,13 +436,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{run.updates} updates per step ({run.micros_per_update} micro-batches of {run.micro_batch_size} rows "
           f"each), prompt <= {run.prompt_tokens} + response <= {run.max_new_tokens} tokens")
     if a.ranks:
-        tr = Trainer(ranks=a.ranks, device=a.device, **(AS_CODED if a.as_coded else PLANNED))
+        tr = Trainer(ranks=a.ranks, device=a.device, checkpointing=False if a.no_checkpointing else None,
+                     grad_sync=a.grad_sync)
+        ckpt = run.activation_checkpointing and not a.no_checkpointing
         for g in gpus:
-            print(f"\n{g} GB GPU ({GPUS[g] / GIB:.1f} GiB); trainer: checkpointing {tr.checkpointing}, "
+            print(f"\n{g} GB GPU ({GPUS[g] / GIB:.1f} GiB); trainer: activation checkpointing {ckpt}, "
                   f"gradient sync {tr.grad_sync}\n")
-            print(terms_table(models, run, tr, Engine(tp=a.rollout_tp, gpu=GPUS[g], shadow_copy=a.shadow_copy)))
+            print(terms_table(models, run, tr, Engine(tp=a.rollout_tp, gpu=GPUS[g])))
         return 0
-    print(layouts_table(models, run, gpus, a.max_ranks, a.min_seqs, a.shadow_copy))
+    print(layouts_table(models, run, gpus, a.max_ranks, a.min_seqs))
     if not a.model:
         print("\nthe seed's layout:\n")
         print(layout_check("qwen2.5-1.5b", run, gpus, tp=1, ranks=4))

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from forkrl.files import atomic_write
-from forkrl.rl.entropy import response_logprobs_and_entropy
+from forkrl.rl.entropy import token_logprobs_and_entropy
 from forkrl.rl.mask import forking_token_mask
 
 __all__ = ["HIST_EDGES", "MAX_RANKED", "MAX_SHOWN_TOKENS", "SAMPLED_RESPONSES", "SAMPLES_DIR", "SHOWN_RESPONSES",
@@ -81,8 +81,7 @@ def teacher_forced(model: torch.nn.Module, seqs: Sequence[tuple[Sequence[int], S
             # the last C + 1 positions: position p predicts token p + 1, so the first C of them score the completion
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(completion) + 1).logits[:, :-1]
             targets = ids[:, -len(completion):]
-            mask = torch.ones_like(targets, dtype=torch.bool)
-            logp, ent = response_logprobs_and_entropy(logits, targets, mask, temperature=temperature)
+            logp, ent = token_logprobs_and_entropy(logits, targets, temperature=temperature)
             out.append((logp[0].float().cpu().tolist(), ent[0].float().cpu().tolist()))
     finally:
         model.train(was_training)

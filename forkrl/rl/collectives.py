@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["deal", "first_nonfinite", "gather_segments", "is_fsdp", "rank_world", "reduce_floats",
-           "set_grad_sync", "sum_replicated_grads", "union_keys"]
+__all__ = ["GradSync", "deal", "first_nonfinite", "gather_segments", "is_fsdp", "rank_world", "reduce_floats",
+           "reshard_root", "set_grad_sync", "sum_replicated_grads", "union_keys"]
 
 ReduceOp = Literal["sum", "max", "min"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -99,10 +99,33 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+GradSync = Literal["every", "last"]
+"""When FSDP2 reduce-scatters an update's gradients (`train_step(grad_sync=...)`):
+- "every" (the default): after every micro-batch's backward. Each rank then holds only its fp32 shard of the
+  gradient, 4 P / W bytes, at the price of one reduce-scatter per micro-batch instead of per update (FSDP2 runs
+  them during the backward of the layers below).
+- "last": only after the update's last micro-batch; before it, FSDP2 accumulates every unit's gradient unsharded
+  in fp32 (`set_requires_gradient_sync(False)`), 4 P bytes on every rank whatever W: 122 GiB at 32B
+  (docs/scaling.md "Memory plan"). Worth it only for a model whose whole gradient fits beside everything else
+  and micro-batches so short that the collectives show.
+Rule for the default: memory decides whether the paper's recipe runs at all, the collectives only how fast, so
+"every". Both give the same update up to float32 rounding of the summation order
+(tests/dist/test_dp_equals_one_rank.py). A replicated (not sharded) model ignores it: one all_reduce per update.
+"""
+
+
 def set_grad_sync(model: torch.nn.Module, on: bool) -> None:
-    """FSDP2: reduce-scatter the gradients in this backward (the last micro-batch of an update) or accumulate."""
+    """FSDP2: reduce-scatter the gradients in this backward, or accumulate them unsharded (GradSync)."""
     if is_fsdp(model):
         model.set_requires_gradient_sync(on)  # type: ignore[operator]
+
+
+def reshard_root(model: torch.nn.Module) -> None:
+    """FSDP2: free the root unit's gathered parameters (embeddings, final norm, lm_head). The root is not resharded
+    after its forward (forkrl/training/distributed.py `shard_model`: the chunked loss reads the lm_head weight after
+    the forward, and the backward reshards it); after a forward with no backward, call this, on every rank."""
+    if is_fsdp(model):
+        model.reshard()  # type: ignore[operator]
 
 
 def sum_replicated_grads(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:

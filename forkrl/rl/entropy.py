@@ -1,30 +1,37 @@
-"""Per-token log-probabilities and policy entropy from logits, in one fp32 pass (algorithms.md §1).
+"""Per-token log-probabilities and policy entropy in fp32 (algorithms.md §1), from logits or from the final hidden
+states without ever building the logits of a whole sequence.
 
-For each row of logits z (any dtype, bf16 included) and its target token o:
+For each scored row with logits z (any dtype, bf16 included) and target token o:
 
     s    = z.float() / T          # T = the *sampling* temperature (§1.3), applied to logits, not logprobs
-    logq = log_softmax(s)         # max-shifted, all <= 0
+    logq = s - logsumexp(s)       # max-shifted, all <= 0
     logp = logq[o]                # differentiable
     H    = -sum_v exp(logq_v) * logq_v, clamped >= 0   # no grad: used for the mask, logs, probe (§1.2)
 
 The `logq` form of H avoids cancelling two large numbers (`lse - sum p*s`) when H is near 0, which is
-where half of CoT tokens sit (§1.1). Rows are processed in chunks (default 1024), so the peak extra memory
-is chunk x V x 4 bytes instead of a full fp32 copy of the (B, L, V) logits.
+where half of CoT tokens sit (§1.1). Rows are processed in chunks (default 1024).
+
+Two entry points:
+- `token_logprobs_and_entropy(logits, targets)`: from logits the caller already has (the probe).
+- `causal_lm_logprobs_and_entropy(model, input_ids, attention_mask, response_mask)` (the train step): runs the
+  HF causal LM's own forward with its lm_head applied to no position, takes the final hidden states of the
+  response positions and computes, chunk by chunk, z = h_chunk @ W_lmᵀ, then logp and H
+  (`hidden_logprobs_and_entropy`). A custom autograd function keeps only the hidden rows and one log-sum-exp
+  per row for the backward and recomputes each chunk's logits there (§1.2): the extra memory is one chunk's
+  [chunk, V] temporaries, never [B, L, V] logits, their gradient or a stored log-softmax.
 
 Causal shift: the logits at position p predict the token at p + 1. With model outputs `logits[B, L, V]`
-for `input_ids[B, L]`, use `shift_for_causal_lm` and slice any per-token mask the same way:
-
-    logits_s, targets = shift_for_causal_lm(logits, input_ids)        # [B, L-1, V], [B, L-1]
-    resp = response_mask[:, 1:]                                        # mask of the *target* tokens
-    logp, ent = response_logprobs_and_entropy(logits_s, targets, resp, temperature=T)   # [B, L-1] each
+for `input_ids[B, L]`, use `shift_for_causal_lm` and slice any per-token mask the same way (`mask[:, 1:]`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["response_logprobs_and_entropy", "shift_for_causal_lm", "token_logprobs_and_entropy"]
+__all__ = ["causal_lm_logprobs_and_entropy", "final_hidden_states", "hidden_logprobs_and_entropy",
+           "shift_for_causal_lm", "token_logprobs_and_entropy"]
 
 
 def _check_args(logits: Tensor, targets: Tensor, temperature: float, chunk_size: int) -> None:
@@ -49,6 +56,14 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _entropy_of(logq: Tensor) -> Tensor:
+    """-sum_v exp(logq_v) logq_v per row, clamped >= 0; consumes `logq` (overwritten in place)."""
+    p = logq.exp()
+    # p * logq is 0 * -inf = NaN where a logit is -inf (a banned token); its true contribution is 0. Nothing else
+    # gives a NaN here (p <= 1 and logq finite where p > 0) but a NaN logit, whose row is 0 as before.
+    return (-p.mul_(logq).nan_to_num_(nan=0.0).sum(-1)).clamp_min(0.0)
+
+
 def _rows_logprobs_and_entropy(
     rows: Tensor, targets: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
@@ -64,11 +79,7 @@ def _rows_logprobs_and_entropy(
     if not with_entropy:
         return logp, None
     with torch.no_grad():
-        lq = logq.detach()
-        p = lq.exp()
-        # p * logq is 0 * -inf = NaN where a logit is -inf (a banned token); its true contribution is 0.
-        plogq = torch.where(p > 0, p * lq, torch.zeros((), dtype=lq.dtype, device=lq.device))
-        ent = (-plogq.sum(-1)).clamp_min(0.0)
+        ent = _entropy_of(logq.detach().clone())
     return logp, ent
 
 
@@ -79,7 +90,7 @@ def token_logprobs_and_entropy(
     chunk_size: int = 1024,
     with_entropy: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-probability of each target token and the entropy of each position's distribution.
+    """Log-probability of each target token and the entropy of each position's distribution, from logits.
 
     Args:
         logits: [..., V] raw logits (bf16/fp16/fp32/fp64). Already shifted: logits[..., j, :] scores
@@ -114,54 +125,165 @@ def token_logprobs_and_entropy(
     return logp, entropy
 
 
-def response_logprobs_and_entropy(
-    logits: Tensor,
+def _scaled_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """s = (hidden @ weightᵀ in their dtype, then upcast) / T: the logits exactly as the model's lm_head gives
+    them (bf16 under mixed precision, as the engine serves them), then the fp32 math of §1.1. A fresh tensor."""
+    z = F.linear(hidden, weight)
+    s = z.to(_compute_dtype(z.dtype))
+    return s.div_(temperature) if temperature != 1.0 else s
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """(hidden [n, h], weight [V, h], targets [n]) -> (logp [n], entropy [n] or [0]) chunk by chunk.
+
+    Saved for the backward: the inputs (hidden rows, a reference to the weight) and lse [n]; the backward
+    recomputes each chunk's logits and applies d logp / d z = (onehot(o) - softmax(s)) / T, then the linear
+    map's two products: d hidden = dz @ W (per chunk), d W = sum over chunks of dzᵀ @ h_chunk (accumulated in
+    fp32: in place when W is fp32, in an fp32 buffer when it is narrower, cast once at the end).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int,
+                with_entropy: bool) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        cdt = _compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+        logp = torch.empty(n, dtype=cdt, device=hidden.device)
+        lse = torch.empty(n, dtype=cdt, device=hidden.device)
+        ent = torch.empty(n if with_entropy else 0, dtype=cdt, device=hidden.device)
+        for a in range(0, n, chunk_size):
+            b = min(a + chunk_size, n)
+            s = _scaled_logits(hidden[a:b], weight, temperature)
+            lse_c = torch.logsumexp(s, dim=-1)
+            logq = s.sub_(lse_c.unsqueeze(-1))  # in place: s is no longer needed
+            logp[a:b] = logq.gather(-1, targets[a:b].unsqueeze(-1)).squeeze(-1)
+            lse[a:b] = lse_c
+            if with_entropy:
+                ent[a:b] = _entropy_of(logq)
+            del s, logq  # before the next chunk's logits exist: one chunk's [chunk, V] at a time
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp: Tensor, _g_ent: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        t, n = ctx.temperature, hidden.shape[0]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        acc = torch.zeros(weight.shape, dtype=_compute_dtype(weight.dtype), device=weight.device) if need_w \
+            else None
+        for a in range(0, n, ctx.chunk_size):
+            b = min(a + ctx.chunk_size, n)
+            g = g_logp[a:b].to(lse.dtype).unsqueeze(-1)
+            p = _scaled_logits(hidden[a:b], weight, t).sub_(lse[a:b].unsqueeze(-1)).exp_()  # softmax(s)
+            ds = p.mul_(-g).scatter_add_(-1, targets[a:b].unsqueeze(-1), g)  # g (onehot - p)
+            dz = (ds.div_(t) if t != 1.0 else ds).to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[a:b] = dz @ weight
+            if acc is not None:
+                if acc.dtype == dz.dtype:
+                    acc.addmm_(dz.t(), hidden[a:b])
+                else:
+                    acc.add_(dz.t() @ hidden[a:b])
+            del p, ds, dz  # before the next chunk's logits exist
+        grad_w = acc.to(weight.dtype) if acc is not None else None
+        return grad_h, grad_w, None, None, None, None
+
+
+def hidden_logprobs_and_entropy(
+    hidden: Tensor,
+    weight: Tensor,
     targets: Tensor,
-    mask: Tensor,
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
-    """Like `token_logprobs_and_entropy`, but only for positions where `mask` is True (§1.2).
-
-    Prompt and padding rows are never pushed through the softmax. Positions outside the mask get
-    logp = 0 and entropy = 0 (a real value, never a sentinel that could leak into metrics, §6 P5).
+    """logp and entropy of rows whose logits are hidden @ weightᵀ, without materializing more than one chunk of
+    logits, in the forward or the backward (module docstring).
 
     Args:
-        logits: [B, T, V] (already shifted), targets: [B, T] long, mask: [B, T] bool.
+        hidden: [n, h] final hidden states of the scored positions (bf16/fp32/fp64).
+        weight: [V, h] the lm_head weight (tied embeddings: the same tensor as the input embeddings).
+        targets: [n] integer token ids.
+        temperature, chunk_size, with_entropy: as for `token_logprobs_and_entropy`.
+
     Returns:
-        logp [B, T] fp32 (fp64 for fp64 logits), differentiable; entropy [B, T] detached (or None).
+        logp: [n] fp32 (fp64 for fp64 inputs), differentiable w.r.t. hidden and weight.
+        entropy: [n] same dtype, detached, >= 0 (or None when with_entropy is False).
     """
-    _check_args(logits, targets, temperature, chunk_size)
-    if mask.dtype != torch.bool:
-        raise ValueError(f"mask must be a bool tensor, got dtype {mask.dtype}")
-    if tuple(mask.shape) != tuple(targets.shape):
-        raise ValueError(
-            f"mask shape {tuple(mask.shape)} does not match targets shape {tuple(targets.shape)}"
-        )
-    flat = logits.reshape(-1, logits.shape[-1])
-    tflat = targets.reshape(-1)
-    idx = mask.reshape(-1).nonzero().squeeze(-1)
-    n_all = tflat.shape[0]
-    logps: list[Tensor] = []
-    ents: list[Tensor] = []
-    for start in range(0, idx.shape[0], chunk_size):
-        sel = idx[start : start + chunk_size]
-        # index_select copies only this chunk's rows, so no full-size copy of the masked logits exists.
-        lp, ent = _rows_logprobs_and_entropy(
-            flat.index_select(0, sel), tflat.index_select(0, sel), temperature, with_entropy
-        )
-        logps.append(lp)
-        if ent is not None:
-            ents.append(ent)
-    zeros = torch.zeros(n_all, dtype=_compute_dtype(logits.dtype), device=logits.device)
-    # Out-of-place index_put keeps autograd to the chunks. No masked position -> plain zeros, no graph.
-    logp = zeros.index_put((idx,), torch.cat(logps)) if logps else zeros
-    entropy = None
-    if with_entropy:
-        entropy = zeros.index_put((idx,), torch.cat(ents)) if ents else zeros.clone()
-    shape = tuple(targets.shape)
-    return logp.reshape(shape), (entropy.reshape(shape) if entropy is not None else None)
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [n, h] and weight [V, h]; got hidden {tuple(hidden.shape)} and weight "
+                         f"{tuple(weight.shape)}")
+    if not (hidden.is_floating_point() and weight.is_floating_point()):
+        raise ValueError(f"hidden and weight must be floating-point, got {hidden.dtype} and {weight.dtype}")
+    if tuple(targets.shape) != (hidden.shape[0],) or targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be an integer tensor of shape ({hidden.shape[0]},) (one per hidden row), got "
+                         f"{targets.dtype} {tuple(targets.shape)}")
+    if not temperature > 0:  # also rejects NaN
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    logp, ent = _LinearLogprobs.apply(hidden, weight, targets.long(), float(temperature), chunk_size, with_entropy)
+    return logp, (ent if with_entropy else None)
+
+
+def final_hidden_states(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The HF causal LM's last hidden states [B, L, h] (after its final norm), from the model's own forward with the
+    lm_head applied to no position (`logits_to_keep` = an empty index), so wrappers of the whole model (FSDP2's
+    root hooks) run as for any forward. Read from the decoder's output with a forward hook."""
+    box: list[Tensor] = []
+
+    def keep(_module: torch.nn.Module, _args: object, out: object) -> None:
+        box.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)  # type: ignore[attr-defined]
+
+    handle = model.get_decoder().register_forward_hook(keep)  # type: ignore[operator]
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+              logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device))
+    finally:
+        handle.remove()
+    if len(box) != 1:
+        raise RuntimeError(f"expected one output of {type(model).__name__}'s decoder per forward, got {len(box)}")
+    return box[0]
+
+
+def causal_lm_logprobs_and_entropy(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_mask: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """logp and entropy of the target tokens marked by response_mask, from the model's final hidden states (§1.2).
+
+    Args:
+        model: an HF causal LM (its `get_decoder()` output and `get_output_embeddings().weight`).
+        input_ids, attention_mask: [B, L]. response_mask: [B, L-1] bool over the *targets* input_ids[:, 1:].
+    Returns:
+        logp [B, L-1] fp32 (fp64 for an fp64 model), differentiable (w.r.t. the model's parameters); entropy
+        [B, L-1] detached (or None). Positions outside the mask get exactly 0 (never a sentinel, §6 P5); their
+        rows never enter the softmax and get no gradient.
+    """
+    if response_mask.dtype != torch.bool:
+        raise ValueError(f"response_mask must be a bool tensor, got dtype {response_mask.dtype}")
+    if input_ids.dim() != 2 or tuple(response_mask.shape) != (input_ids.shape[0], input_ids.shape[1] - 1):
+        raise ValueError(f"response_mask must be [B, L-1] for input_ids [B, L]; got {tuple(response_mask.shape)} "
+                         f"and {tuple(input_ids.shape)}")
+    hidden = final_hidden_states(model, input_ids, attention_mask)
+    rows = hidden[:, :-1][response_mask]  # [n, h]: a copy of the scored rows only
+    del hidden
+    weight = model.get_output_embeddings().weight  # type: ignore[operator]
+    lp, ent = hidden_logprobs_and_entropy(rows, weight, input_ids[:, 1:][response_mask], temperature, chunk_size,
+                                          with_entropy)
+    idx = response_mask.reshape(-1).nonzero().squeeze(-1)
+    zeros = torch.zeros(response_mask.numel(), dtype=lp.dtype, device=lp.device)
+    # out of place: the graph reaches the rows through index_put, also when there are none (a rank's empty share)
+    logp = zeros.index_put((idx,), lp).reshape(response_mask.shape)
+    entropy = zeros.index_put((idx,), ent).reshape(response_mask.shape) if ent is not None else None
+    return logp, entropy
 
 
 def shift_for_causal_lm(logits: Tensor, input_ids: Tensor) -> tuple[Tensor, Tensor]:

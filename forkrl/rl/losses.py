@@ -49,8 +49,8 @@ Trainer step with micro-batches (microbatch-scope mask, the default):
     cfg = LossConfig(name="dapo", entropy_top_frac=0.2, max_len=max_new_tokens)
     denom = step_denominator(cfg, [mb.response_mask for mb in micro_batches])   # once, from counts only
     for mb in micro_batches:                          # response_mask [b, L-1] bool marks target tokens
-        logits, targets = shift_for_causal_lm(model(mb.input_ids).logits, mb.input_ids)
-        logp, ent = response_logprobs_and_entropy(logits, targets, mb.response_mask, temperature=T)
+        logp, ent = causal_lm_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask, mb.response_mask,
+                                                   temperature=T)   # forkrl/rl/entropy.py
         token_mask = forking_token_mask(ent, mb.response_mask, cfg.entropy_top_frac).mask
         loss, metrics = policy_loss(cfg, logp, mb.old_logp, mb.advantages, mb.response_mask, token_mask,
                                     denom)

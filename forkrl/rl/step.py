@@ -7,17 +7,17 @@
     metrics = train_step(..., stop=event.is_set, skipped_out=reasons)           # the guards (below)
 
 Ranks (docs/scaling.md). Under torch.distributed every rank of `group` passes the **whole** batch and its
-advantages (computed per group from all rewards: step-global without a collective); with one process, or a
-group of one rank, no collective runs. The batch is cut into the same global mini- and micro-batches on every
-rank, and each global micro-batch is dealt to the ranks in contiguous rank-ordered row blocks
-(forkrl/rl/collectives.py `deal`), so rank r's rows follow rank r-1's in the 1-rank order. Everything
-step-global is computed across ranks in that order: the denominators from all-reduced counts, the forking-token
-top-k over the all-gathered entropies (the very same `forking_token_mask` / `masks_for_step` selects, ties
-included), gradients summed (FSDP2 reduce-scatter with divide factor 1, synced on an update's last micro-batch;
-a replicated model: one all_reduce per parameter), metrics reduced (forkrl/rl/step_metrics.py). A rank whose
-share of a micro-batch holds no response token still runs a forward (and a backward of 0 x logits) under FSDP2,
-which needs every rank in every all-gather. N ranks therefore equal one rank up to float32 rounding of the
-summation order; counts are exact (tests/dist/test_dp_equals_one_rank.py).
+advantages (computed per group from all rewards: step-global without a collective); with one process, or a group
+of one rank, no collective runs. The batch is cut into the same global mini- and micro-batches on every rank, and
+each global micro-batch is dealt to the ranks in contiguous rank-ordered row blocks (forkrl/rl/collectives.py
+`deal`), so rank r's rows follow rank r-1's in the 1-rank order. Everything step-global is computed across ranks
+in that order: the denominators from all-reduced counts, the forking-token top-k over the all-gathered entropies
+(the very same `forking_token_mask` / `masks_for_step` selects, ties included), gradients summed (FSDP2
+reduce-scatter with divide factor 1, after every micro-batch by default or on an update's last one with
+grad_sync="last"; a replicated model: one all_reduce per parameter), metrics reduced (forkrl/rl/step_metrics.py).
+A rank whose share of a micro-batch holds no response token still runs a forward (and a backward of 0 x its
+log-probs) under FSDP2, which needs every rank in every all-gather and reduce-scatter. N ranks therefore equal
+one rank up to float32 rounding of the summation order; counts are exact (tests/dist/test_dp_equals_one_rank.py).
 
 What happens (algorithms.md §0-§3, §3.8):
 1. The batch is split into mini-batches of `mini_batch_size` sequences (default: one = the whole batch); the
@@ -30,12 +30,13 @@ What happens (algorithms.md §0-§3, §3.8):
 3. Each update: its mini-batch is split into micro-batches (one with only empty completions, e.g. aborted
    samples, is skipped); the denominators of the mini-batch (kept tokens, response tokens, sequences) are
    computed once, before any backward, from token counts alone (§2.3). For `mask_scope="step"` a no-grad pass
-   first computes the entropies of every micro-batch of the mini-batch so that one top-k is taken over the
-   whole update. Per micro-batch: forward in fp32 → logp and entropy at the sampling temperature in one chunked
-   pass → forking-token mask (entropy of the *current* weights, §1.3) → the optional truncated-IS weight
-   (forkrl/rl/tis.py, `loss_cfg.tis_cap`; for CISPO the behaviour log-probs become its IS weight's denominator
-   instead) → the loss's share of the update loss → backward. Then the guard, the gradient clip and the
-   optimizer step.
+   first computes the entropies of every micro-batch of the mini-batch so that one top-k is taken over the whole
+   update. Per micro-batch: forward (fp32 master weights) → logp and entropy at the sampling temperature from the
+   final hidden states of the response positions, chunk by chunk (forkrl/rl/entropy.py: the logits of the
+   micro-batch are never materialized, the backward recomputes each chunk's) → forking-token mask (entropy of the
+   *current* weights, §1.3) → the optional truncated-IS weight (forkrl/rl/tis.py, `loss_cfg.tis_cap`; for CISPO
+   the behaviour log-probs become its IS weight's denominator instead) → the loss's share of the update loss →
+   backward. Then the guard, the gradient clip and the optimizer step.
 4. After the last update, one no-grad pass gives approx_kl = k3 estimate of KL(π_old ‖ π_new) on the kept
    tokens of each micro-batch's last update (and on all response tokens: approx_kl_all).
 
@@ -64,16 +65,18 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from forkrl.rl.batch import Batch, build_batch
 from forkrl.rl.collectives import (
+    GradSync,
     deal,
     first_nonfinite,
     gather_segments,
     is_fsdp,
     rank_world,
     reduce_floats,
+    reshard_root,
     set_grad_sync,
     sum_replicated_grads,
 )
-from forkrl.rl.entropy import response_logprobs_and_entropy, shift_for_causal_lm
+from forkrl.rl.entropy import causal_lm_logprobs_and_entropy
 from forkrl.rl.losses import LossConfig, StepDenominator, policy_loss
 from forkrl.rl.mask import forking_token_mask, kept_denominator, masks_for_step
 from forkrl.rl.step_metrics import Tally, record_micro, step_metrics
@@ -90,11 +93,16 @@ class _Stop(Exception):
     pass
 
 
-def _forward(model: torch.nn.Module, mb: Batch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-    logits, targets = shift_for_causal_lm(logits, mb.input_ids)
-    return response_logprobs_and_entropy(logits, targets, mb.response_mask, temperature=temperature,
-                                         with_entropy=with_entropy)
+def _forward(model: torch.nn.Module, mb: Batch, temperature: float, with_entropy: bool,
+             response_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """logp and entropy [b, L-1] of the response tokens, from the final hidden states in chunks (forkrl/rl/entropy.py:
+    the logits of the micro-batch never exist as a whole). `response_mask` overrides the batch's (the join: none)."""
+    out = causal_lm_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask,
+                                         mb.response_mask if response_mask is None else response_mask,
+                                         temperature=temperature, with_entropy=with_entropy)
+    if not torch.is_grad_enabled():
+        reshard_root(model)  # no backward will: free the root unit's gathered parameters now
+    return out
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,7 @@ class _Ctx:
     device: torch.device
     batch: Batch
     stop: Callable[[], bool] | None
+    grad_sync: GradSync
 
     def flags(self, *local: float) -> tuple[bool, list[float]]:
         """(stop requested on any rank, the MAX over ranks of `local`): one all_reduce on N ranks."""
@@ -135,14 +144,16 @@ class _Ctx:
         return _forward(self.model, mb, self.temperature, with_entropy)
 
     def join(self, grad: bool) -> Tensor | None:
-        """A share without tokens under FSDP2: a forward on one row, so this rank joins the all-gathers of the
-        others; with grad, returns 0 x logits, whose backward joins the reduce-scatter and adds no gradient."""
+        """A share without tokens under FSDP2: a forward on one row scoring no token, so this rank joins the
+        all-gathers of the others; with grad, returns 0 x (the sum of no log-prob), whose backward reaches every
+        parameter with zeros (the lm_head's from the loss path itself), so this rank joins the reduce-scatters with
+        the same tensors as the others and adds no gradient."""
         if not is_fsdp(self.model):
             return None
         one = self.batch.slice(0, 1).to(self.device)
         with torch.set_grad_enabled(grad):
-            logits = self.model(input_ids=one.input_ids, attention_mask=one.attention_mask, use_cache=False).logits
-        return logits.float().sum() * 0.0 if grad else None
+            logp, _ = _forward(self.model, one, self.temperature, False, torch.zeros_like(one.response_mask))
+        return logp.sum() * 0.0 if grad else None
 
     def local(self, a: int, b: int) -> _Micro:
         s, e = deal(a, b, self.world, self.rank)
@@ -223,7 +234,7 @@ def _update(ctx: _Ctx, k: int, mus: list[_Micro], old: list[Tensor | None] | Non
     upd, seen, loss_bad = Tally(), {}, 0.0
     for j, mu in enumerate(mus):
         ctx.check_stop()
-        set_grad_sync(model, j == len(mus) - 1)
+        set_grad_sync(model, ctx.grad_sync == "every" or j == len(mus) - 1)
         # the same collectives in the same order on every rank: the forward's, the mask's, the backward's
         zero = ctx.join(grad=True) if mu.mb is None else None
         logp, ent = ctx.forward(mu.mb, True) if mu.mb is not None else (None, None)
@@ -345,6 +356,7 @@ def train_step(
     skipped_out: list[str] | None = None,
     stop: Callable[[], bool] | None = None,
     group: dist.ProcessGroup | None = None,
+    grad_sync: GradSync = "every",
 ) -> dict[str, float]:
     """The optimizer updates of one rollout batch on every rank of `group` (the default group; one process: no
     collective); returns the step's floats, equal on every rank (module docstring).
@@ -357,6 +369,8 @@ def train_step(
     ranks: pass it on every rank or on none.
     skipped_out: receives one sentence per update the guard skipped. stop: polled before every micro-batch and
     optimizer step (module docstring); raises StepStopped when no update was applied yet.
+    grad_sync: FSDP2 only (forkrl/rl/collectives.py `GradSync`): "every" (default) reduce-scatters each micro-batch's
+    gradient, so gradients stay sharded; "last" accumulates them unsharded and reduce-scatters once per update.
     """
     n = len(batch)
     if advantages.shape != (n,):
@@ -367,9 +381,11 @@ def train_step(
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if grad_sync not in ("every", "last"):
+        raise ValueError(f"grad_sync must be 'every' or 'last', got {grad_sync!r}")
     device = next(model.parameters()).device
     rank, world = rank_world(group)
-    ctx = _Ctx(model, optimizer, loss_cfg, temperature, ref_model, group, rank, world, device, batch, stop)
+    ctx = _Ctx(model, optimizer, loss_cfg, temperature, ref_model, group, rank, world, device, batch, stop, grad_sync)
     plan = _plan(batch, n if mini_batch_size is None else min(mini_batch_size, n), micro_batch_size)
     if not plan:
         raise ValueError(f"all {n} completions of the step are empty (0 tokens): nothing to train on")
@@ -399,8 +415,9 @@ def train_step(
                 else:
                     skipped += 1
     except _Stop:
-        # the abandoned update's half-accumulated gradient (under FSDP2 the unsynced micro-batches' part also
-        # sits on the unsharded parameters until the next synced backward: a stopped run trains no more)
+        # the abandoned update's half-accumulated gradient (under FSDP2 with grad_sync="last" the unsynced
+        # micro-batches' part also sits on the unsharded parameters until the next synced backward: a stopped run
+        # trains no more)
         optimizer.zero_grad(set_to_none=True)
         if applied == 0:
             raise StepStopped("the stop arrived before any update of the step was applied") from None

@@ -167,6 +167,11 @@ class RunConfig(BaseModel):
     """Fail the run after this many steps in a row whose every update was skipped for a non-finite loss or gradient
     norm (each skip is logged with the tensor; the last good checkpoint is kept); 0 = never fail, train on; at most
     10,000,000."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (HF non-reentrant
+    checkpointing, on 1 or N ranks): per layer only its input is kept, for about one more forward of compute; the
+    numbers do not change. Needed for long responses (recipes/dapo_paper.toml turns it on: docs/scaling.md
+    "Memory plan"); off by default (the short rows of the tiny default do not need it)."""
     prompt_format: PromptFormat = "raw"
     """How a problem becomes the model's prompt (forkrl/data/prompts.py): raw (the text as is), chat (the
     tokenizer's chat template; a row's own message list is kept), dapo (DAPO's math prompt in the chat template,

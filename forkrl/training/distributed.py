@@ -7,11 +7,15 @@
     save_full_pretrained(model, out_dir, tokenizer)          # rank 0 writes an HF checkpoint
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`): each decoder layer is one FSDP unit (its parameters are
-all-gathered for its forward/backward and resharded after), the root holds the rest (embeddings, final
-norm, lm_head). Gradients are reduce-scattered with divide factor 1 (SUM): `train_step` gives each rank
-its share of the globally normalized loss, so the sum is the 1-rank gradient. On CUDA the default mixed
-precision is bf16 compute with fp32 master weights and fp32 gradient reduction; on CPU everything stays
-fp32. Activation checkpointing (optional) is the HF model's own (non-reentrant), applied before sharding.
+all-gathered for its forward/backward and resharded after), the root holds the rest (embeddings, final norm,
+lm_head) and stays gathered from its forward to the end of its backward (FSDP2's own default for the root): the
+train step's loss reads the lm_head weight after the forward (forkrl/rl/entropy.py), and resharding the root in
+between would only gather it again (a no-grad forward reshards it explicitly: forkrl/rl/collectives.py
+`reshard_root`). Gradients are reduce-scattered with divide factor 1 (SUM): `train_step` gives each rank its
+share of the globally normalized loss, so the sum is the 1-rank gradient. On CUDA the default mixed precision is
+bf16 compute with fp32 master weights and fp32 gradient reduction; on CPU everything stays fp32. Activation
+checkpointing (optional, `enable_activation_checkpointing`, also on one process) is the HF model's own
+(non-reentrant), applied before sharding.
 
 The trainer's ranks use it through `forkrl/training/policy.py` (`load_policy` shards when the process group
 has > 1 rank) and `forkrl/training/ranks.py`; their checkpoints (gathered HF weights + AdamW shards with
@@ -29,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "decoder_layers", "full_state_dict", "init_from_env", "save_full_pretrained", "shard_model"]
+__all__ = ["DistInfo", "decoder_layers", "enable_activation_checkpointing", "full_state_dict", "init_from_env",
+           "save_full_pretrained", "shard_model"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward instead of keeping them (HF's
+    `gradient_checkpointing_enable`, non-reentrant: no input needs requires_grad). Saved per layer: its input.
+    The recomputation repeats the same operations on the same numbers (no dropout in these models, and the
+    non-reentrant checkpoint restores the RNG state anyway), so the step's numbers do not change; it costs about
+    one more forward of the layers. In train() mode only, as HF applies it."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+
+
 def shard_model(
     model: torch.nn.Module,
     device: torch.device | str,
@@ -85,7 +99,8 @@ def shard_model(
 
     mixed_precision: None = on for CUDA (bf16 params in compute, fp32 reduce), off on CPU. The model must
     be fp32 (the master weights) and identical on every rank (same seed or same checkpoint) before the call.
-    Returns the same module, now an FSDPModule; build the optimizer afterwards.
+    Returns the same module, now an FSDPModule; build the optimizer afterwards. reshard_after_forward applies to the
+    decoder layers; the root stays gathered until its backward (module docstring).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -95,14 +110,14 @@ def shard_model(
     dev = torch.device(device)
     model.to(dev)
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     mp = dev.type == "cuda" if mixed_precision is None else mixed_precision
     kwargs: dict[str, Any] = {"mesh": init_device_mesh(dev.type, (dist.get_world_size(),))}
     if mp:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # SUM: each rank's loss is already its share of the global one

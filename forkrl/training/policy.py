@@ -34,7 +34,7 @@ from forkrl.rl.losses import LossConfig
 from forkrl.rl.step import build_batch, train_step
 from forkrl.seeds import run_seed
 from forkrl.training.config import RunConfig
-from forkrl.training.distributed import full_state_dict, shard_model
+from forkrl.training.distributed import enable_activation_checkpointing, full_state_dict, shard_model
 from forkrl.training.metrics import class_breakdown
 from forkrl.training.scoring import ScoredBatch
 from forkrl.weights.checkpoint import latest_checkpoint, read_state, save_checkpoint
@@ -147,7 +147,8 @@ class Policy:
 
 
 def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto") -> Policy:
-    """The initial policy of cfg.model, or with cfg.resume the latest complete checkpoint in run_dir."""
+    """The initial policy of cfg.model, or with cfg.resume the latest complete checkpoint in run_dir; with
+    cfg.activation_checkpointing its decoder layers recompute their activations in the backward (1 or N ranks)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -169,8 +170,10 @@ def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto") -> Policy:
     if world > 1 and dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())  # init_ranks set it to LOCAL_RANK
     model.to(dev)  # fp32 master weights; the engine may serve bf16 (pushed fp32 tensors are cast)
-    if world > 1:
-        model = shard_model(model, dev)  # FSDP2 per decoder layer + root; the optimizer holds the shards
+    if world > 1:  # FSDP2 per decoder layer + root; the optimizer holds the shards
+        model = shard_model(model, dev, activation_checkpointing=cfg.activation_checkpointing)
+    elif cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
     ref_model = None
     if cfg.kl_beta > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, use_safetensors=True)

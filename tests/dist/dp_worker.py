@@ -33,12 +33,13 @@ VOCAB = 29
 GROUP = 4
 
 
-def build_model(tied_heads: bool) -> Qwen2ForCausalLM:
+def build_model(tied_heads: bool, shared_embeddings: bool = False) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=0.3, tie_word_embeddings=False)
+                      initializer_range=0.3, tie_word_embeddings=shared_embeddings)
     model = Qwen2ForCausalLM(cfg).float()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == shared_embeddings
     if tied_heads:  # every logit 0: every response token has entropy exactly ln V, all tied
         with torch.no_grad():
             model.lm_head.weight.zero_()
@@ -76,11 +77,22 @@ CASES = [
                                   kl_beta=0.05), False, 16, 4, "sgd_recipe", {"mini_batch_size": 8, "epochs": 2}),
     ("recipe_adamw_empty_share", LossConfig(name="dapo", entropy_top_frac=0.2, tis_cap=2.0, dual_clip_c=3.0),
      False, 13, 3, "adamw", {"mini_batch_size": 8, "epochs": 2}),
+    # the recipe with tied embeddings (lm_head.weight is embed_tokens.weight, in FSDP2's root unit): its gradient
+    # sums the loss path's lm_head term and the embedding's
+    ("recipe_tied_embeddings", LossConfig(name="dapo", entropy_top_frac=0.2, tis_cap=2.0, dual_clip_c=2.0), False,
+     16, 4, "sgd_recipe", {"mini_batch_size": 8, "epochs": 2}),
 ]
+SHARED_EMBEDDINGS = {"recipe_tied_embeddings"}
 LR = {"sgd": 1.0, "adamw": 1e-6, "sgd_recipe": 0.3}  # sgd_recipe: large enough steps for both clips to act
-# More modes for one case: FSDP2 with activation checkpointing (exact), and with bf16 compute on CPU (the
-# MixedPrecisionPolicy the GPU path uses: fp32 master weights and reduction; compared loosely).
-MODES = {"step_top0.2": ("ddp", "fsdp", "fsdp_ac", "fsdp_bf16")}
+# More modes for some cases: FSDP2 with activation checkpointing (exact), with bf16 compute on CPU (the
+# MixedPrecisionPolicy the GPU path uses: fp32 master weights and reduction; compared loosely), and with the
+# gradients reduce-scattered on an update's last micro-batch only (grad_sync="last"; "fsdp" is the default, every
+# micro-batch).
+MODES = {"step_top0.2": ("ddp", "fsdp", "fsdp_ac", "fsdp_bf16"),
+         "micro_top0.2": ("ddp", "fsdp", "fsdp_last"),
+         "recipe": ("ddp", "fsdp", "fsdp_last"),
+         "recipe_adamw_empty_share": ("ddp", "fsdp", "fsdp_last"),
+         "recipe_tied_embeddings": ("ddp", "fsdp", "fsdp_last", "fsdp_ac")}
 
 
 def make_opt(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
@@ -108,8 +120,9 @@ def equality_cases(info, solo, ckpt_dir: str | None) -> dict:
         extra = more[0] if more else {}
         batch, adv = build_inputs(n)
         kw = dict(temperature=0.9, micro_batch_size=micro, max_grad_norm=1.0, **extra)
-        ref = build_model(tied)
-        ref_model = build_model(tied) if cfg.kl_beta > 0 else None
+        shared = name in SHARED_EMBEDDINGS
+        ref = build_model(tied, shared)
+        ref_model = build_model(tied, shared) if cfg.kl_beta > 0 else None
         ref_opt = make_opt(ref, opt_kind)
         kept_ref: list[torch.Tensor] = []
         m_ref = train_step(ref, ref_opt, batch, adv, cfg, ref_model=ref_model, kept_out=kept_ref, group=solo, **kw)
@@ -119,13 +132,21 @@ def equality_cases(info, solo, ckpt_dir: str | None) -> dict:
         if save and info.rank == 0:
             ref.save_pretrained(f"{ckpt_dir}/ref", safe_serialization=True)
         for mode in MODES.get(name, ("ddp", "fsdp")):
-            model = build_model(tied)
+            model = build_model(tied, shared)
             if mode.startswith("fsdp"):
                 model = shard_model(model, "cpu", activation_checkpointing=mode == "fsdp_ac",
                                     mixed_precision=mode == "fsdp_bf16")
             opt = make_opt(model, opt_kind)
             kept: list[torch.Tensor] = []
-            m = train_step(model, opt, batch, adv, cfg, ref_model=ref_model, kept_out=kept, **kw)
+            # how many parameters hold a (sharded) gradient when each forward with grad starts (before FSDP2's own
+            # pre-forward gathers the root)
+            grads_at_forward: list[int] = []
+            hook = model.register_forward_pre_hook(lambda *_, model=model, seen=grads_at_forward: seen.append(
+                sum(p.grad is not None for p in model.parameters())) if torch.is_grad_enabled() else None,
+                prepend=True)
+            m = train_step(model, opt, batch, adv, cfg, ref_model=ref_model, kept_out=kept,
+                           grad_sync="last" if mode == "fsdp_last" else "every", **kw)
+            hook.remove()
             if save and mode == "fsdp":
                 save_full_pretrained(model, f"{ckpt_dir}/fsdp")
             got = full(model, mode.startswith("fsdp"))
@@ -133,6 +154,8 @@ def equality_cases(info, solo, ckpt_dir: str | None) -> dict:
                 case[mode] = compare(m, m_ref, got, want)
                 case[mode]["kept_equal"] = len(kept) == len(kept_ref) == n and all(
                     torch.equal(a, b) for a, b in zip(kept, kept_ref, strict=True))
+                case[mode]["grads_at_forward"] = grads_at_forward
+                case[mode]["n_params"] = len(list(model.parameters()))
             del model, opt
         results[name] = case
         dist.barrier()
@@ -181,11 +204,11 @@ def guard_cases(info, solo) -> dict:
         before = full(model, mode == "fsdp")
         opt = make_opt(model, "adamw")
         handles = []
-        if info.rank == 1:  # rank 1's lm_head output gets an inf gradient: every gradient upstream is non-finite
+        if info.rank == 1:  # rank 1's final hidden states get an inf gradient: every gradient below is non-finite
             def poison(_mod, _inp, out):
                 if out.requires_grad:  # not in the no-grad passes
                     out.register_hook(lambda g: g * math.inf)
-            handles.append(model.lm_head.register_forward_hook(poison))
+            handles.append(model.model.norm.register_forward_hook(poison))
         reasons: list[str] = []
         m = train_step(model, opt, batch, adv, cfg, skipped_out=reasons, **kw)
         for h in handles:

@@ -8,7 +8,11 @@ step-scope and the micro-batch-scope top-k (rho 0.2), the same with every entrop
 set is decided by the tie order alone), a rank with an empty share of a micro-batch (Dr. GRPO's constant
 denominator), AdamW, and the recipe's mechanics: 2 mini-batches of whole groups x 2 epochs (4 updates, pi_old
 from the no-grad pass), rho 0.2, TIS, dual clip, with SGD steps large enough that both clips act (micro-batch
-scope; step scope with the KL term; AdamW with a rank holding an empty share).
+scope; step scope with the KL term; AdamW with a rank holding an empty share; tied embeddings, where the lm_head
+weight, read by the chunked loss after the forward, is the embedding in FSDP2's root unit). FSDP2 reduce-scatters
+every micro-batch's gradient (the default); some cases also run with grad_sync="last" (once per update) and with
+activation checkpointing, and the gradients between micro-batches are checked to be sharded (every) or not yet
+reduced (last).
 
 Tolerance, from the arithmetic: 2 ranks do the same float32 operations as 1 rank on the same numbers, but
 sum the per-rank gradient and metric shares in another order and run each forward on a different set of
@@ -69,7 +73,12 @@ def two_rank_result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Pat
 
 
 CASE_NAMES = ["token_mean", "step_top0.2", "micro_top0.2", "step_top0.2_ties", "micro_top0.3_ties",
-              "dr_grpo_empty_share", "seq_mean_adamw", "recipe", "recipe_step_kl", "recipe_adamw_empty_share"]
+              "dr_grpo_empty_share", "seq_mean_adamw", "recipe", "recipe_step_kl", "recipe_adamw_empty_share",
+              "recipe_tied_embeddings"]
+# FSDP2 with gradients reduce-scattered on an update's last micro-batch only (the default is every micro-batch),
+# and with activation checkpointing, on the cases the worker runs them for (dp_worker.py MODES)
+MORE_MODES = [("micro_top0.2", "fsdp_last"), ("recipe", "fsdp_last"), ("recipe_adamw_empty_share", "fsdp_last"),
+              ("recipe_tied_embeddings", "fsdp_last"), ("recipe_tied_embeddings", "fsdp_ac")]
 
 
 def _adam_bound(t: int) -> float:
@@ -84,10 +93,7 @@ def _weight_bound(lrs: dict, case: str, updates: int, scale: float) -> float:
     return updates * lrs["sgd_recipe" if "recipe" in case else "sgd"] * REL * max(1.0, scale)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-@pytest.mark.parametrize("case", CASE_NAMES)
-def test_two_ranks_equal_one_rank(two_rank_result: tuple[dict, Path], case: str, mode: str) -> None:
-    res = two_rank_result[0]
+def _check_equal(res: dict, case: str, mode: str) -> None:
     assert res["world_size"] == 2
     c = res["cases"][case]
     ref, got = c["ref"], c[mode]
@@ -104,9 +110,34 @@ def test_two_ranks_equal_one_rank(two_rank_result: tuple[dict, Path], case: str,
     assert ref["skipped_updates"] == 0
 
 
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_two_ranks_equal_one_rank(two_rank_result: tuple[dict, Path], case: str, mode: str) -> None:
+    _check_equal(two_rank_result[0], case, mode)
+
+
+@pytest.mark.parametrize(("case", "mode"), MORE_MODES)
+def test_grad_sync_last_and_checkpointing_equal_one_rank(two_rank_result: tuple[dict, Path], case: str,
+                                                         mode: str) -> None:
+    # the same arithmetic in another order of summation: the same bounds. With tied embeddings the lm_head
+    # weight is the embedding (FSDP2's root unit): a lost or doubled lm_head term of its gradient would move it by
+    # O(lr |g|), far outside the bound.
+    _check_equal(two_rank_result[0], case, mode)
+
+
+def test_grad_sync_every_keeps_only_sharded_gradients_between_micro_batches(
+        two_rank_result: tuple[dict, Path]) -> None:
+    c = two_rank_result[0]["cases"]["recipe"]  # 4 updates of 2 micro-batches: 8 forwards with grad
+    every, last = c["fsdp"], c["fsdp_last"]
+    # every: micro-batch 1's gradient is already reduce-scattered into each parameter's shard when micro-batch 2
+    # starts; last: FSDP2 holds it unsharded, so no parameter (shard) has a gradient before the update's end
+    assert every["grads_at_forward"] == [0, every["n_params"]] * 4
+    assert last["grads_at_forward"] == [0] * 8
+
+
 def test_the_recipe_runs_every_mechanism_on_two_ranks(two_rank_result: tuple[dict, Path]) -> None:
     cases = two_rank_result[0]["cases"]
-    for name in ("recipe", "recipe_step_kl", "recipe_adamw_empty_share"):
+    for name in ("recipe", "recipe_step_kl", "recipe_adamw_empty_share", "recipe_tied_embeddings"):
         ref = cases[name]["ref"]
         assert ref["n_updates"] == 4 and ref["micro_batches"] == (4 if name != "recipe_adamw_empty_share" else 5)
         assert ref["tis_capped_frac"] > 0  # some engine log-probs are far from the trainer's: truncated

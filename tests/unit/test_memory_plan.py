@@ -115,7 +115,7 @@ def _total(shape: plan.Shape, run: plan.Run, tr: plan.Trainer, ranks: int) -> fl
 
 
 def test_layout_search_picks_the_fewest_ranks_that_fit() -> None:
-    shape, run, tr = plan.load_shape("qwen3-14b"), plan.Run(), plan.Trainer(**plan.PLANNED)
+    shape, run, tr = plan.load_shape("qwen3-14b"), plan.Run(), plan.Trainer(**plan.AS_CODED)
     t2, t3 = _total(shape, run, tr, 2), _total(shape, run, tr, 3)
     assert t2 > t3  # the case is built on this: 2 ranks need more per rank than 3
     assert plan.smallest_ranks(shape, run, tr, gpu=t3) == (3, t3)  # exactly fits at 3
@@ -144,8 +144,53 @@ def test_engine_tp_search_skips_tp_sizes_that_do_not_divide_the_heads() -> None:
 def test_the_cli_prints_every_term_and_the_tables(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan.main(["--model", "qwen2.5-1.5b", "--ranks", "4", "--gpu", "80"]) == 0
     out = capsys.readouterr().out
-    for name in ("fp32 master weights", "AdamW exp_avg", "FSDP2: 2 decoder layers", "log-softmax",
+    for name in ("fp32 master weights", "AdamW exp_avg", "FSDP2: 2 decoder layers", "final hidden states",
                  "runtime: CUDA context", "total per rank", "bf16 weights", "KV cache left"):
         assert name in out
     assert plan.main(["--model", "qwen2.5-1.5b", "--gpu", "141"]) == 0
     assert "| qwen2.5-1.5b | 1.54 B | 141 GB |" in capsys.readouterr().out
+    assert plan.main(["--model", "qwen3-8b", "--ranks", "8", "--gpu", "80", "--no-checkpointing", "--grad-sync",
+                      "last"]) == 0
+    out = capsys.readouterr().out
+    assert "every layer's tensors" in out and "fp32 gradients, unsharded" in out
+
+
+def test_the_recipe_decides_activation_checkpointing(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("max_new_tokens = 100\nactivation_checkpointing = false\n")
+    run = plan.Run.from_recipe(recipe)
+    assert (run.max_new_tokens, run.activation_checkpointing) == (100, False)
+    assert plan.Run.from_recipe(REPO_ROOT / "recipes" / "dapo_paper.toml").activation_checkpointing
+    shape = plan.load_shape("qwen2.5-1.5b")
+    names = {n for _, n, _ in plan.trainer_terms(shape, run, plan.Trainer(**plan.AS_CODED))}
+    assert "activations saved: every layer's tensors" in names  # as coded = the run's setting
+    on = {n for _, n, _ in plan.trainer_terms(shape, run, plan.Trainer(checkpointing=True))}
+    assert "activations saved: each layer's input (checkpointing)" in on
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_loss_saves_the_planned_rows_and_no_logits(dtype: torch.dtype) -> None:
+    # what the loss keeps for its backward, counted by autograd's own saved-tensor hooks: the response rows' hidden
+    # states (the plan's term, to the byte), their targets and one lse per row; nothing of size rows x V
+    from forkrl.rl.entropy import hidden_logprobs_and_entropy
+
+    n, h, v = 300, 48, 1000
+    hidden = torch.randn(n, h, dtype=dtype, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(v, h, dtype=dtype) * 0.1)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, _ = hidden_logprobs_and_entropy(hidden, weight, torch.randint(0, v, (n,)), chunk_size=64)
+    new = [t for t in saved if t.data_ptr() not in (hidden.data_ptr(), weight.data_ptr())]
+    cb = torch.finfo(dtype).bits // 8
+    shape = plan.Shape.from_config(dict(TINY["qwen2"], vocab_size=v, hidden_size=h), "x")
+    terms = plan.loss_terms(shape, rows=1, seq=n + 1, resp=n, cb=cb, sharded=False)
+    assert terms["the response rows' final hidden states (kept for the backward)"] == _bytes([hidden])
+    assert _bytes(new) == n * 8 + n * 4  # targets (int64) and lse (fp32): no [n, V] tensor kept
+    assert max(t.numel() for t in saved) == v * h  # the largest is the lm_head weight itself (not a copy)
+    logp.sum().backward()
+    assert weight.grad is not None and weight.grad.dtype == dtype

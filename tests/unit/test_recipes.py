@@ -60,6 +60,7 @@ def test_every_recipe_loads_and_validates(path: Path, tmp_path: Path) -> None:
 def test_the_paper_recipe_has_the_papers_hyper_parameters() -> None:
     cfg = _load(REPO_ROOT / "recipes" / "dapo_paper.toml")
     assert (cfg.loss, cfg.entropy_top_frac, cfg.kl_beta) == ("dapo", 0.2, 0.0)
+    assert cfg.activation_checkpointing  # 20,480-token responses: docs/scaling.md "Memory plan"
     assert (cfg.prompts_per_step, cfg.group_size, cfg.mini_batch_prompts, cfg.ppo_epochs) == (512, 16, 32, 1)
     assert cfg.prompts_per_step // cfg.mini_batch_prompts == 16  # updates per rollout batch
     assert (cfg.clip_low, cfg.clip_high) == (0.2, 0.28)

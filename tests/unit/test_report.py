@@ -27,7 +27,7 @@ from forkrl.report.record import (
     teacher_forced,
 )
 from forkrl.rl.batch import build_batch
-from forkrl.rl.entropy import response_logprobs_and_entropy, shift_for_causal_lm
+from forkrl.rl.entropy import causal_lm_logprobs_and_entropy
 from tests.numerics import ATTN_FP32_RTOL, FP32_EPS
 
 VOCAB = 23
@@ -63,9 +63,8 @@ def test_teacher_forced_equals_the_train_steps_padded_forward() -> None:
     real = [s for s in seqs if s[1]]
     batch = build_batch([p for p, _ in real], [c for _, c in real], [[0.0] * len(c) for _, c in real], pad_id=0)
     with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        shifted, targets = shift_for_causal_lm(logits, batch.input_ids)
-        logp, ent = response_logprobs_and_entropy(shifted, targets, batch.response_mask, temperature=T)
+        logp, ent = causal_lm_logprobs_and_entropy(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                                   temperature=T)
     for i, (lp, h) in enumerate(g for g in got if g[0]):
         ref_lp, ref_h = logp[i][batch.response_mask[i]].tolist(), ent[i][batch.response_mask[i]].tolist()
         for a, b in zip(lp + h, ref_lp + ref_h, strict=True):  # float64 model: attention's fp32 softmax, fp32 out
