@@ -3,7 +3,8 @@
 Every command in a README code block (all but ```text blocks) names files that exist and flags that exist:
 a `bash X` script is a file of the repo; `python X.py ...` and `python -m module ...` (also under torchrun)
 are files or modules of the repo, and every `--flag` given to them appears in their own `--help`.
-Every relative link of the README and of docs/ resolves to a file; docs/development.md lists every benchmark."""
+Every relative link of the README and of docs/ resolves to a file (and heading); docs/development.md lists
+every benchmark."""
 
 import functools
 import os
@@ -156,23 +157,33 @@ def test_every_script_module_and_flag_of_a_readme_command_exists():
     assert checked >= 10  # the parser found the flags (a parser that finds none would pass vacuously)
 
 
-def test_every_relative_link_in_the_readme_resolves():
-    links = re.findall(r"\]\(([^)\s]+)\)", README.read_text())
-    relative = [ln for ln in links if not re.match(r"^[a-z]+:", ln) and not ln.startswith("#")]
-    assert relative, "no relative links found"
-    broken = [ln for ln in relative if not (ROOT / ln.split("#", 1)[0]).exists()]
-    assert not broken, f"README links to files that do not exist: {broken}"
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    heads = re.findall(r"^#+ (.*)$", re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.M | re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
-def test_the_docs_the_readme_links_link_only_to_files_that_exist():
+def _broken_links(doc: Path) -> list[str]:
     broken = []
-    for doc in sorted((ROOT / "docs").glob("*.md")):
-        for ln in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
-            if re.match(r"^[a-z]+:", ln) or ln.startswith("#"):
-                continue
-            if not (doc.parent / ln.split("#", 1)[0]).exists():
-                broken.append((doc.name, ln))
-    assert not broken, f"docs link to files that do not exist: {broken}"
+    for link in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        if re.match(r"^[a-z]+:", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (doc.parent / path) if path else doc
+        if not target.exists() or (anchor and target.suffix == ".md" and anchor not in _anchors(target)):
+            broken.append(link)
+    return broken
+
+
+def test_every_relative_link_in_the_readme_resolves():
+    assert len(re.findall(r"\]\((?![a-z]+:)[^)\s]+\)", README.read_text())) >= 10  # the links were found
+    broken = _broken_links(README)
+    assert not broken, f"README links to files or headings that do not exist: {broken}"
+
+
+def test_the_docs_link_only_to_files_and_headings_that_exist():
+    broken = {doc.name: b for doc in sorted((ROOT / "docs").glob("*.md")) if (b := _broken_links(doc))}
+    assert not broken, f"docs link to files or headings that do not exist: {broken}"
 
 
 def test_development_doc_lists_every_benchmark():
