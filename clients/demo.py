@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             return rc
         body = {"checkpoint_root": str(run_dir / "checkpoints"), "steps": [save_every], "include_final": True,
                 "model": str(model_dir), "num_prompts": 16, "num_samples": 8, "seed": args.seed,
-                # the settings of the README's probe table: 32 random rows, 64 positions per cell (at most
-                # 4 per trajectory), rank bins per checkpoint
+                # the settings of the demo's probe table (docs/results.md): 32 random rows, 64 positions per
+                # cell (at most 4 per trajectory), rank bins per checkpoint
                 "row_spec": ["random:32"], "max_positions_per_group": 64, "max_positions_per_trajectory": 4,
                 "freeze_bins_from": "none", "bootstrap": 0}
         print(f"[demo] $ curl -X POST '{addr['probe']}/probe?wait=true' -H 'content-type: application/json' "

@@ -10,7 +10,7 @@ Every training flag maps 1:1 to a field of RunConfig (forkrl/training/config.py)
 flags are generated from that model (its field docstrings are the --help). `--config run.toml` reads the same
 fields from a file, and flags override it. Bad values are rejected here, before anything is sent. Ctrl-C asks
 whether to stop the run or detach.
-The trainer's token is read from FORKRL_TOKEN, else from the file FORKRL_TOKEN_FILE names (see README, Security);
+The trainer's token is read from FORKRL_TOKEN, else from the file FORKRL_TOKEN_FILE names (see docs/security.md);
 with FORKRL_TLS_CA set (a trainer serving TLS) the call goes over TLS, trusting that CA.
 Exit status: 0 when the run succeeded (or was stopped on request / detached), 1 when it failed, 2 for bad flags.
 """

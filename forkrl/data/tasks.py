@@ -9,7 +9,7 @@ numbers, writing each step:
 
 Which numbers and which operator to use are decisions ("choice" tokens), the results follow from them
 ("computed"). Its reward is `countdown` (any valid solution scores). It became the default because RL learns
-more on it at the same budget (README, "The embedded default") and because its forks are decisions.
+more on it at the same budget (docs/embedded-default.md, docs/results.md) and because its forks are decisions.
 
 `sum3` is a three-number sum written out with its partial result (`47+85+6=` → `132+6=138`, answer `138`):
 a short chain of computed tokens, almost nothing to decide. The prototype's two-number sum (`add2`, kept for

@@ -12,7 +12,7 @@ SHA256SUMS lists every other file of the directory with its sha256, in `sha256su
 Re-blessing (a deliberate change of the default, e.g. after a builder change):
 
     python -m forkrl.models.tiny build --out forkrl/models/default --force   # rebuilds, rewrites SHA256SUMS
-    # then update the sha256 and the numbers in README.md ("The embedded default") and commit the directory
+    # then update the sha256 and the numbers in docs/embedded-default.md and commit the directory
 
 `install_default(out)` copies the committed files into another directory (compose's one-shot `model` service
 puts them into the data volume, `python -m forkrl.models.tiny install --out DIR`; with $FORKRL_MODEL_DIR set

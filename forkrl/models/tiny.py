@@ -5,7 +5,7 @@
 
 The default everywhere is the committed build in forkrl/models/default (forkrl/models/embedded.py): the same
 bytes on every machine. `build` regenerates a model; `--out forkrl/models/default --force` re-blesses the
-committed one (then update README.md's sha256 and numbers).
+committed one (then update docs/embedded-default.md's sha256 and numbers).
 
 The result is a plain HF directory (config, model.safetensors, tokenizer, generation_config) that
 `AutoModelForCausalLM`, `AutoTokenizer` and `vllm.LLM(model=DIR)` load unchanged. Supervised training

@@ -8,7 +8,7 @@ It needs root (or a running Docker engine), docker.io + docker-compose (or compo
 when no python:3.11-slim image is available; the first run builds the base image, the wheelhouse and
 the image (~6-8 min on 2 cores), later runs ~2-4 min.
 
-Where Docker cannot run, the test skips on a developer's machine, but fails in CI (CI=true): the README
+Where Docker cannot run, the test skips on a developer's machine, but fails in CI (CI=true): docs/docker.md
 says CI runs the Docker stack, so a CI machine without it must not pass silently.
 """
 

@@ -123,7 +123,7 @@ def _five_sigma(p: float, *ns: int) -> float:
 @pytest.mark.slow
 def test_warm_start_accuracy_is_in_the_band(tiny_model_dir, hf, eval_problems):
     """Bands from the build record, not from one build: the builder stopped because its sampled accuracy
-    reached the target; the README's documented band is 20-50%; and accuracy measured here on other
+    reached the target; docs/embedded-default.md's documented band is 20-50%; and accuracy measured here on other
     problems agrees with the record within sampling error. One build's numbers: bench/bench_tiny_model.py."""
     model, tokenizer = hf
     record = read_build_record(tiny_model_dir)

@@ -36,9 +36,9 @@ def test_build_record_matches_the_model_and_the_builder_config():
     assert record["reached_target"] and 0.20 <= record["accuracy"]["t1"] <= 0.50
 
 
-def test_readme_states_the_committed_numbers():
+def test_its_doc_states_the_committed_numbers():
     record = read_build_record(COMMITTED_DIR)
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "embedded-default.md").read_text()
     assert record["sha256"] in readme
     assert f"{record['params']:,}" in readme and f"{record['sft_steps']} SFT steps" in readme
     acc = record["accuracy"]

@@ -1,5 +1,5 @@
 """RunConfig: validation messages name the field and value; the proto mapping is derived by name and complete;
-loss_config() builds the loss's own config; the README documents every field."""
+loss_config() builds the loss's own config; docs/configuration.md documents every field."""
 
 from __future__ import annotations
 
@@ -112,19 +112,19 @@ def test_loss_config_carries_every_loss_setting() -> None:
         RunConfig(loss="reinforce", clip_low=0.1, max_new_tokens=8).loss_config()
 
 
-def _readme_rows() -> dict[str, str]:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    return {m[1]: m[2] for m in re.finditer(r"^\| `--([a-z0-9-]+)` \| [^|]* \| ((?:[^|]|\\\|)*) \|$", readme, re.M)}
+def _reference_rows() -> dict[str, str]:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    return {m[1]: m[2] for m in re.finditer(r"^\| `--([a-z0-9-]+)` \| [^|]* \| ((?:[^|]|\\\|)*) \|$", doc, re.M)}
 
 
-def test_readme_documents_every_flag() -> None:
-    rows = _readme_rows()
+def test_configuration_reference_documents_every_flag() -> None:
+    rows = _reference_rows()
     missing = [n for n in RunConfig.model_fields if n.replace("_", "-") not in rows]
-    assert not missing, f"README's configuration reference lacks {missing}"
+    assert not missing, f"docs/configuration.md's flag table lacks {missing}"
     # the meaning column is the field's docstring (the --help text), so the two cannot drift apart
     stale = {n: " ".join(f.description.split()) for n, f in RunConfig.model_fields.items()
              if rows[n.replace("_", "-")] != " ".join(f.description.split()).replace("|", "\\|")}
-    assert not stale, f"README rows differ from the docstrings; expected meanings: {stale}"
+    assert not stale, f"docs/configuration.md rows differ from the docstrings; expected meanings: {stale}"
 
 
 def _bounds(name: str) -> dict[str, float]:
