@@ -31,7 +31,7 @@ DEVICE=${FORKRL_GPU_CHECK_DEVICE:-cuda}
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DEVICE=cpu ;;
-    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -65,7 +65,7 @@ elif [ "$DEVICE" = cpu ]; then
 else
   echo "gpu_check: FORKRL_GPU_CHECK_DEVICE must be cuda or cpu, got $DEVICE" >&2; exit 2
 fi
-OVERLONG=$(( MAXNEW / 4 ))  # the recipe's 4096 of 20480, rounded up to a quarter
+OVERLONG=$(( MAXNEW / 4 ))  # the overlong ramp: the recipe's is a fifth of L_max (4096 of 20480)
 
 WORK=${FORKRL_GPU_CHECK_DIR:-$(mktemp -d /tmp/forkrl-gpu-check.XXXXXX)}
 mkdir -p "$WORK"
@@ -113,6 +113,8 @@ CUDA_VISIBLE_DEVICES=$ROLLOUT_GPUS setsid "$PY" -m rollout_service --model "$WOR
   --dtype "$DTYPE" --kv-cache-gib "$KV" --max-model-len "$MAXLEN" --allowed-roots "$WORK" \
   >"$WORK/rollout.log" 2>&1 &
 PIDS+=($!); RPID=$!
+# one GPU: vLLM refuses to start unless 0.9 of the GPU is free (gpu_memory_utilization), so the trainer waits
+[ "$NGPU" -eq 1 ] && wait_healthy "127.0.0.1:$RPORT" "$RPID" rollout 300
 
 echo "== trainer service on ${TRAINER_GPUS:-cpu} ($RANKS rank(s)), port $TPORT"
 LAUNCH=("$PY")
