@@ -18,12 +18,14 @@
 # dynamic sampling off (a random-init policy scores 0 on every sample, so the recipe's filter would keep no
 # group and every step would be skipped); overlong ramp 64 tokens (<= max_new_tokens). 1 GPU: NCCL refuses two
 # ranks on one device ("Duplicate GPU detected"), so the push there takes --weight-sync shm (a shared-memory
-# file + LoadWeights) and the route line says so; the nccl transfer needs >= 2 GPUs.
+# file + LoadWeights) and the route line says so; the nccl transfer needs >= 2 GPUs. One trainer rank trains in
+# fp32 (FSDP2's bf16 compute is for > 1 rank), so the check lets cuBLAS run fp32 matmuls in TF32 on every rank
+# (PyTorch's TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, as NVIDIA's containers set it; GPU_CHECK_TF32=0: plain fp32).
 # Settings (environment): FORKRL_GPU_CHECK_DEVICE (cuda|cpu), FORKRL_GPU_CHECK_DIR (work dir; default a new temp
 # dir), FORKRL_GPU_CHECK_PORT (first of 2 ports; default 52150), PY (python; default .venv's or python3),
 # GPU_CHECK_STEPS (10; dry run 3), GPU_CHECK_PROMPTS (32; 4), GPU_CHECK_GROUP (8; 4), GPU_CHECK_MINI (8; 2),
 # GPU_CHECK_MAX_NEW (256; 16), GPU_CHECK_RANKS (trainer ranks; default GPUs - 1, dry run 2),
-# ROLLOUT_KV_CACHE_GIB (16), GPU_CHECK_WEIGHT_SYNC (the push route; default above).
+# ROLLOUT_KV_CACHE_GIB (16), GPU_CHECK_WEIGHT_SYNC (the push route; default above), GPU_CHECK_TF32 (1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -48,7 +50,7 @@ if [ "$DEVICE" = cuda ]; then
     echo "gpu_check: run 'bash scripts/gpu_check.sh --dry-run' for the same path on CPU with a tiny model." >&2
     exit 2
   fi
-  SIZE=1.5b; DTYPE=bfloat16; KV=${ROLLOUT_KV_CACHE_GIB:-16}; MAXLEN=1024; THREADS=4
+  SIZE=1.5b; DTYPE=bfloat16; KV=${ROLLOUT_KV_CACHE_GIB:-16}; MAXLEN=1024; THREADS=4; TF32=${GPU_CHECK_TF32:-1}
   STEPS=${GPU_CHECK_STEPS:-10}; PROMPTS=${GPU_CHECK_PROMPTS:-32}; GROUP=${GPU_CHECK_GROUP:-8}
   MINI=${GPU_CHECK_MINI:-8}; MAXNEW=${GPU_CHECK_MAX_NEW:-256}; MICRO=16
   ROLLOUT_GPUS=0
@@ -58,7 +60,7 @@ if [ "$DEVICE" = cuda ]; then
     RANKS=1; TRAINER_GPUS=0; SYNC=${GPU_CHECK_WEIGHT_SYNC:-shm}  # NCCL: no two ranks on one GPU (header)
   fi
 elif [ "$DEVICE" = cpu ]; then
-  NGPU=0; SIZE=tiny-1.5b; DTYPE=float32; KV=1; MAXLEN=512; THREADS=1
+  NGPU=0; SIZE=tiny-1.5b; DTYPE=float32; KV=1; MAXLEN=512; THREADS=1; TF32=0
   STEPS=${GPU_CHECK_STEPS:-3}; PROMPTS=${GPU_CHECK_PROMPTS:-4}; GROUP=${GPU_CHECK_GROUP:-4}
   MINI=${GPU_CHECK_MINI:-2}; MAXNEW=${GPU_CHECK_MAX_NEW:-16}; MICRO=8; RANKS=${GPU_CHECK_RANKS:-2}
   ROLLOUT_GPUS=; TRAINER_GPUS=; SYNC=${GPU_CHECK_WEIGHT_SYNC:-transfer}
@@ -116,12 +118,12 @@ PIDS+=($!); RPID=$!
 # one GPU: vLLM refuses to start unless 0.9 of the GPU is free (gpu_memory_utilization), so the trainer waits
 [ "$NGPU" -eq 1 ] && wait_healthy "127.0.0.1:$RPORT" "$RPID" rollout 300
 
-echo "== trainer service on ${TRAINER_GPUS:-cpu} ($RANKS rank(s)), port $TPORT"
+echo "== trainer service on ${TRAINER_GPUS:-cpu} ($RANKS rank(s), TF32 $TF32), port $TPORT"
 LAUNCH=("$PY")
 [ "$RANKS" -gt 1 ] && LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$RANKS")
-CUDA_VISIBLE_DEVICES=$TRAINER_GPUS setsid "${LAUNCH[@]}" -m trainer_service --port "$TPORT" --runs-root "$WORK/runs" \
-  --allowed-roots "$WORK" --rollout-addresses "127.0.0.1:$RPORT" --device "$DEVICE" --threads "$THREADS" \
-  --no-tensorboard >"$WORK/trainer.log" 2>&1 &
+CUDA_VISIBLE_DEVICES=$TRAINER_GPUS TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=$TF32 setsid "${LAUNCH[@]}" -m trainer_service \
+  --port "$TPORT" --runs-root "$WORK/runs" --allowed-roots "$WORK" --rollout-addresses "127.0.0.1:$RPORT" \
+  --device "$DEVICE" --threads "$THREADS" --no-tensorboard >"$WORK/trainer.log" 2>&1 &
 PIDS+=($!); TPID=$!
 
 wait_healthy "127.0.0.1:$RPORT" "$RPID" rollout 300

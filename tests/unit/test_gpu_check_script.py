@@ -102,16 +102,21 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
+def load_run(device: str, work: Path):
+    """The RunConfig the script's start_run.py line asks for on `device`, through start_run's --config path."""
+    values = branch_settings(device) | {"WORK": str(work), "TPORT": "52151", "RPORT": "52150"}
+    values["OVERLONG"] = str(int(values["MAXNEW"]) // 4)
+    words = command('"$PY" clients/start_run.py')[2:]
+    argv = [re.sub(r"\$\{?(\w+)\}?", lambda m: values[m[1]], w) for w in words]
+    return values, start_run.parse_args(argv).run_config()
+
+
 @pytest.mark.usefixtures("_clean_env")
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_the_run_it_starts_is_the_recipe_scaled_down_and_valid(device: str, tmp_path: Path) -> None:
-    values = branch_settings(device) | {"WORK": str(tmp_path), "TPORT": "52151", "RPORT": "52150"}
-    values["OVERLONG"] = str(int(values["MAXNEW"]) // 4)
+    values, cfg = load_run(device, tmp_path)
     assert values["SIZE"] == {"cuda": "1.5b", "cpu": "tiny-1.5b"}[device]
     assert values["SYNC"] == "transfer"  # the >1 GPU layout and the dry run: vLLM's weight-transfer API
-    words = command('"$PY" clients/start_run.py')[2:]
-    argv = [re.sub(r"\$\{?(\w+)\}?", lambda m: values[m[1]], w) for w in words]
-    cfg = start_run.parse_args(argv).run_config()
     # the recipe's algorithm, kept
     assert (cfg.loss, cfg.entropy_top_frac, cfg.mask_scope, cfg.mask_norm) == ("dapo", 0.2, "microbatch", "kept")
     assert (cfg.clip_low, cfg.clip_high, cfg.kl_beta, cfg.lr, cfg.weight_decay) == (0.2, 0.28, 0.0, 1e-6, 0.1)
@@ -124,14 +129,19 @@ def test_the_run_it_starts_is_the_recipe_scaled_down_and_valid(device: str, tmp_
     assert cfg.num_steps == {"cuda": 10, "cpu": 3}[device]
     if device == "cuda":
         assert (cfg.prompts_per_step, cfg.group_size, cfg.max_new_tokens) == (32, 8, 256)
-    resolved = check_values(cfg)
-    check_bounds(resolved, RunRules(Path("/"), []))  # a trainer's default caps, as the script starts it
-    if device == "cpu":  # the whole preflight, on the model and dataset the dry run builds
-        from forkrl.models.random_qwen2 import build_random_qwen2
+    check_bounds(check_values(cfg), RunRules(Path("/"), []))  # a trainer's default caps, as the script starts it
 
-        build_random_qwen2(tmp_path / "model", values["SIZE"])
-        (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "What is 1 + 2?", "answer": "3"}) + "\n")
-        preflight(resolved)
+
+@pytest.mark.slow  # builds the model and reads its tokenizer
+@pytest.mark.usefixtures("_clean_env")
+def test_the_dry_runs_run_passes_the_trainers_preflight(tmp_path: Path) -> None:
+    """The whole preflight of StartRun, on the model and a dataset of the kind the dry run builds."""
+    from forkrl.models.random_qwen2 import build_random_qwen2
+
+    values, cfg = load_run("cpu", tmp_path)
+    build_random_qwen2(tmp_path / "model", values["SIZE"])
+    (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "What is 1 + 2?", "answer": "3"}) + "\n")
+    preflight(check_values(cfg))
 
 
 @pytest.mark.slow  # both services, 2 trainer ranks under torchrun, 3 steps: minutes on a 2-core machine
