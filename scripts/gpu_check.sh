@@ -5,9 +5,10 @@
 # KV cache capped), and recipes/dapo_paper.toml through clients/start_run.py --config with flags that scale it
 # down: loss dapo, --entropy-top-frac 0.2, mini-batches (4 AdamW updates per rollout batch), TIS cap 2,
 # activation checkpointing, 10 steps of 32 prompts x 8 samples, <= 256 new tokens, weights pushed through vLLM's
-# weight-transfer API (--weight-sync transfer: nccl). Prints generation tokens/s, the per-step times
-# (generate/train/push), the push route, peak memory per GPU, the wall time (warns past 480 s), then PASS or
-# FAIL; exits non-zero when a step is missing or skipped, the run fails, or the final weights are not finite.
+# weight-transfer API (--weight-sync transfer: nccl; 1 GPU: shm, below). Prints generation tokens/s, the
+# per-step times (generate/train/push), the push route, peak memory per trainer rank, GPU and process, the wall
+# time (warns past 480 s), then PASS or FAIL; exits non-zero when a step is missing, skipped or short of its
+# updates, the run fails, or the final weights are not finite.
 #
 #   bash scripts/gpu_check.sh                 # needs CUDA: exits 2 at once, saying so, without it
 #   bash scripts/gpu_check.sh --dry-run       # the same path on CPU: size tiny-1.5b, gloo, 2 trainer ranks
@@ -15,12 +16,13 @@
 # NOT RUN ON A GPU: no GPU was lent when this version was written (issue 26); only --dry-run has run, on a
 # 2-core CPU machine (docs/results.md). Departures from the recipe, all for size or time: dataset = a generated
 # JSONL of arithmetic problems in dapo_plain format (the embedded character tokenizer has no chat template);
-# dynamic sampling off (a random-init policy scores 0 on every sample, so the recipe's filter would keep no
-# group and every step would be skipped); overlong ramp 64 tokens (<= max_new_tokens). 1 GPU: NCCL refuses two
-# ranks on one device ("Duplicate GPU detected"), so the push there takes --weight-sync shm (a shared-memory
-# file + LoadWeights) and the route line says so; the nccl transfer needs >= 2 GPUs. One trainer rank trains in
-# fp32 (FSDP2's bf16 compute is for > 1 rank), so the check lets cuBLAS run fp32 matmuls in TF32 on every rank
-# (PyTorch's TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, as NVIDIA's containers set it; GPU_CHECK_TF32=0: plain fp32).
+# dynamic sampling off (a random-init policy fails every sample, so every group has one reward, the recipe's
+# filter would keep none and every step would be skipped); overlong ramp 64 tokens (<= max_new_tokens).
+# 1 GPU: NCCL refuses two ranks on one device ("Duplicate GPU detected"), so the push there takes
+# --weight-sync shm (a shared-memory file + LoadWeights) and the route line says so; the nccl transfer needs
+# >= 2 GPUs. One trainer rank trains in fp32 (FSDP2's bf16 compute is for > 1 rank), so the check lets cuBLAS
+# run fp32 matmuls in TF32 on every rank (PyTorch's TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, as NVIDIA's containers
+# set it; GPU_CHECK_TF32=0: plain fp32). On 1 GPU the trainer starts once vLLM is up (vLLM wants 0.9 free).
 # Settings (environment): FORKRL_GPU_CHECK_DEVICE (cuda|cpu), FORKRL_GPU_CHECK_DIR (work dir; default a new temp
 # dir), FORKRL_GPU_CHECK_PORT (first of 2 ports; default 52150), PY (python; default .venv's or python3),
 # GPU_CHECK_STEPS (10; dry run 3), GPU_CHECK_PROMPTS (32; 4), GPU_CHECK_GROUP (8; 4), GPU_CHECK_MINI (8; 2),

@@ -124,7 +124,7 @@ def test_the_run_it_starts_is_the_recipe_scaled_down_and_valid(device: str, tmp_
     # scaled down: several updates per rollout batch, whole groups each
     assert cfg.prompts_per_step % cfg.mini_batch_prompts == 0 and cfg.prompts_per_step // cfg.mini_batch_prompts >= 2
     assert 0 < cfg.overlong_cache_len <= cfg.max_new_tokens
-    assert not cfg.dynamic_sampling  # a random-init policy scores 0 everywhere: the filter would keep no group
+    assert not cfg.dynamic_sampling  # a random-init policy fails every sample: the filter would keep no group
     assert cfg.weight_sync == "transfer" and cfg.model == str(tmp_path / "model")
     assert cfg.num_steps == {"cuda": 10, "cpu": 3}[device]
     if device == "cuda":
