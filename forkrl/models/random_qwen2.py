@@ -4,16 +4,21 @@
     build_random_qwen2(out, "1.5g")          # -> out (reused when it already holds that build)
 
 For benchmarks and the GPU check (bench/bench_weights.py, scripts/gpu_check.sh): the weights are noise, the
-tokenizer is the embedded default model's character tokenizer (its vocabulary sets vocab_size), so the
-bytes sit in the decoder layers as in a real model of that size without the 150k-token embedding. fp32
-safetensors, loadable by transformers and vLLM unchanged. Sizes (fp32 bytes of the weights):
+tokenizer is the embedded default model's character tokenizer. Most sizes take their vocab_size from it, so
+the bytes sit in the decoder layers as in a real model of that size without the 150k-token embedding; `1.5b`
+is Qwen2.5-1.5B's shape whole (its config.json: vocab_size 151936, tied embeddings, rope_theta 1e6), and
+`tiny-1.5b` the tiny layers with that vocabulary and tying (the GPU check's --dry-run). Ids past the tokenizer's
+vocabulary decode to nothing, as Qwen2.5's padded ids do. fp32 safetensors, loadable by transformers and vLLM
+unchanged. Sizes (fp32 bytes of the weights):
 
-| size | hidden | layers | heads (kv) | intermediate | parameters |
-|---|---|---|---|---|---|
-| tiny | 64 | 2 | 2 (1) | 256 | 0.1 M |
-| 400m | 1024 | 8 | 16 (2) | 3584 | 107 M (0.43 GB) |
-| 0.5b | 1024 | 28 | 16 (2) | 5120 | 507 M (2.0 GB) |
-| 1.5g | 1536 | 8 | 12 (2) | 8960 | 374 M (1.50 GB) |
+| size | hidden | layers | heads (kv) | intermediate | vocab | parameters |
+|---|---|---|---|---|---|---|
+| tiny | 64 | 2 | 2 (1) | 256 | tokenizer's | 0.1 M |
+| tiny-1.5b | 64 | 2 | 2 (1) | 256 | 151936, tied | 9.8 M (39 MB) |
+| 400m | 1024 | 8 | 16 (2) | 3584 | tokenizer's | 107 M (0.43 GB) |
+| 0.5b | 1024 | 28 | 16 (2) | 5120 | tokenizer's | 507 M (2.0 GB) |
+| 1.5g | 1536 | 8 | 12 (2) | 8960 | tokenizer's | 374 M (1.50 GB) |
+| 1.5b | 1536 | 28 | 12 (2) | 8960 | 151936, tied | 1544 M (6.2 GB) |
 """
 
 from __future__ import annotations
@@ -24,15 +29,21 @@ import shutil
 import sys
 from pathlib import Path
 
-SIZES: dict[str, dict[str, int]] = {
+# Qwen2.5-1.5B's vocabulary, tying and RoPE base (its config.json); the other sizes keep Qwen2Config's defaults.
+_QWEN25 = dict(vocab_size=151936, tie_word_embeddings=True, rope_theta=1_000_000.0)
+SIZES: dict[str, dict[str, int | float | bool]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                  intermediate_size=256),
+    "tiny-1.5b": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      intermediate_size=256, **_QWEN25),
     "400m": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2,
                  intermediate_size=3584),
     "0.5b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=2,
                  intermediate_size=5120),
     "1.5g": dict(hidden_size=1536, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, **_QWEN25),
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _STAMP = "forkrl_random_qwen2.json"
@@ -54,10 +65,12 @@ def build_random_qwen2(out: str | Path, size: str, *, seed: int = 0, max_positio
     for name in _TOKENIZER_FILES:
         shutil.copyfile(COMMITTED_DIR / name, out / name)
     tok = AutoTokenizer.from_pretrained(out)
+    shape = {"vocab_size": len(tok), "tie_word_embeddings": False, **SIZES[size]}
+    if shape["vocab_size"] < len(tok):
+        raise ValueError(f"size {size}: vocab_size {shape['vocab_size']} < the tokenizer's {len(tok)} tokens")
     cfg = Qwen2Config(
-        vocab_size=len(tok), max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        rms_norm_eps=1e-6, **SIZES[size],
+        max_position_embeddings=max_position_embeddings, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rms_norm_eps=1e-6, **shape,
     )
     torch.manual_seed(seed)
     with torch.device("cpu"):

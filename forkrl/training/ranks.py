@@ -138,6 +138,9 @@ def follow(device: str = "auto") -> None:
                 policy.update(payload, policy.cfg.loss_config())
             except StepStopped:  # rank 0's stop reached every rank at the same micro-batch
                 log.info("rank %d: step %d stopped before any update", rank, step)
+            if policy.device.type == "cuda":  # rank 0's is the step's gpu_mem_peak_gib (scripts/gpu_check.sh)
+                log.info("rank %d: step %d: gpu_mem_peak_gib %.3f", rank, step,
+                         torch.cuda.max_memory_allocated(policy.device) / 2**30)
         elif op in ("check", "state", "checkpoint"):
             assert policy is not None, f"{op} before start"
             try:
