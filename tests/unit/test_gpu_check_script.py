@@ -133,6 +133,7 @@ def test_the_run_it_starts_is_the_recipe_scaled_down_and_valid(device: str, tmp_
 
 
 @pytest.mark.slow  # builds the model and reads its tokenizer
+@pytest.mark.isolated  # its own model in tmp_path: no order can change it (CI's shuffled pass leaves it out)
 @pytest.mark.usefixtures("_clean_env")
 def test_the_dry_runs_run_passes_the_trainers_preflight(tmp_path: Path) -> None:
     """The whole preflight of StartRun, on the model and a dataset of the kind the dry run builds."""
@@ -145,6 +146,7 @@ def test_the_dry_runs_run_passes_the_trainers_preflight(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # both services, 2 trainer ranks under torchrun, 3 steps: minutes on a 2-core machine
+@pytest.mark.isolated  # starts everything it uses: once is enough (CI's shuffled pass leaves it out)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU path")
 def test_the_dry_run_passes_every_step_through_the_transfer_route(tmp_path: Path) -> None:
     port = str(20000 + os.getpid() % 20000)
