@@ -262,6 +262,21 @@ def prepare_model(args: argparse.Namespace, size: str) -> tuple[Path, list[str]]
     return model, [str(base), str(override)]
 
 
+def free_ports() -> dict[str, str]:
+    """ROLLOUT_PORT and TRAINER_PORT of the stack (compose.yaml's variables): ports free now, so that the bench
+    runs next to another stack or a test run (compose.yaml's defaults would collide)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(2)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return {"ROLLOUT_PORT": str(socks[0].getsockname()[1]), "TRAINER_PORT": str(socks[1].getsockname()[1])}
+    finally:
+        for s in socks:
+            s.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from clients.stack import Stack
@@ -276,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         model, compose = prepare_model(args, size)
         forkrl_arms = [a for a in args.arms if a != "trl"]
         with Stack(data_dir=args.data_dir, services=["rollout", "trainer"] if forkrl_arms else ["model"],
-                   compose_files=compose, echo=False) as stack:
+                   compose_files=compose, echo=False, env=free_ports()) as stack:
             stub = (trainer_pb2_grpc.TrainerServiceStub(grpc_channel(stack.addresses["trainer"], token=stack.token))
                     if forkrl_arms else None)
             if size == "tiny":
