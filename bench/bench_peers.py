@@ -17,7 +17,8 @@ new tokens, one update per batch, micro-batches of --micro-batch, loss grpo, the
 entropy_top_frac / top_entropy_quantile) and reward (forkrl's countdown reward). Sizes (`--sizes`):
   tiny    the embedded default model: speed and learning (32 x 8 x 16 tokens, --num-steps steps)
   0.5b    a random-init Qwen2 of ~0.5B parameters (forkrl/models/random_qwen2.py): speed only, --big-steps
-          steps of --big-shape (prompts, samples, new tokens; the issue's 64 x 4 x 128 by default)
+          steps of --big-shape (prompts, samples, new tokens; the issue's 64 x 4 x 128 by default); its TRL
+          runs start after the services stop (each side holds the model, its gradients and AdamW state: ~8 GB)
 One evaluator scores every arm's final model and the initial one (`evaluate_model`: forkrl's transformers sampler,
 --eval-prompts prompts of the countdown eval split, T=1 with 4 samples each and greedy, forkrl's reward).
 
@@ -81,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="2 steps per run (also at 0.5b, whose shape shrinks to 8 x 2 x 8), 32 eval prompts")
     p.add_argument("--data-dir", type=Path, default=REPO_ROOT / "runs" / "bench-peers")
     p.add_argument("--out", type=Path, default=None, help="results JSON (default: <data-dir>/results.json)")
+    p.add_argument("--report", type=Path, default=None, metavar="JSON",
+                   help="run nothing: print the tables of an earlier --out file (e.g. of an interrupted bench)")
     args = p.parse_args(argv)
     args.arms, args.seeds = list(dict.fromkeys(args.arms)), list(dict.fromkeys(args.seeds))
     if args.smoke:
@@ -95,7 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--big-shape values must be >= 1, got {args.big_shape}")
     if not 0 < args.top_frac <= 1:
         p.error(f"--top-frac must be in (0, 1], got {args.top_frac}")
-    if "trl" in args.arms and trl_version() is None:
+    if "trl" in args.arms and trl_version() is None and not args.report:
         p.error("arm trl needs TRL: pip install -e '.[bench]' (or leave it out: --arms sync async)")
     args.data_dir = args.data_dir.resolve()
     args.out = args.out or args.data_dir / "results.json"
@@ -279,6 +282,10 @@ def free_ports() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        data = json.loads(args.report.read_text())
+        print("\n".join(report(data["results"], data["base_eval"])))
+        return 0
     from clients.stack import Stack
     from forkrl.remote.channel import grpc_channel
     from forkrl.wire.trainer.v1 import trainer_pb2_grpc
@@ -287,26 +294,35 @@ def main(argv: list[str] | None = None) -> int:
     base_eval: dict[str, dict] = {}
     print(f"bench_peers: TRL {trl_version()}, device {args.device}, {os.cpu_count()} cores, arms "
           f"{' '.join(args.arms)}, sizes {' '.join(args.sizes)}, seeds {' '.join(map(str, args.seeds))}", flush=True)
-    for size in args.sizes:
-        model, compose = prepare_model(args, size)
-        forkrl_arms = [a for a in args.arms if a != "trl"]
-        with Stack(data_dir=args.data_dir, services=["rollout", "trainer"] if forkrl_arms else ["model"],
-                   compose_files=compose, echo=False, env=free_ports()) as stack:
-            stub = (trainer_pb2_grpc.TrainerServiceStub(grpc_channel(stack.addresses["trainer"], token=stack.token))
-                    if forkrl_arms else None)
-            if size == "tiny":
-                base_eval[size] = evaluate_model(model, args.eval_prompts, max_new_tokens=args.max_new_tokens,
-                                                 device=args.device)
-            for seed in args.seeds:  # seeds outer: an interrupted bench has every arm on its first seeds
-                for arm in args.arms:  # arms interleaved: each seen under the same load of the machine
-                    try:
-                        results.append(run_one(stub, stack, args, size, model, arm, seed))
-                    except RuntimeError as e:
-                        print(e, file=sys.stderr)
-                        return 1
-                    args.out.parent.mkdir(parents=True, exist_ok=True)
-                    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                    "base_eval": base_eval, "results": results}, indent=1))
+
+    def run_arms(arms: list[str], stub, stack) -> None:  # noqa: ANN001
+        for seed in args.seeds:  # seeds outer: an interrupted bench has every arm on its first seeds
+            for arm in arms:
+                results.append(run_one(stub, stack, args, size, model, arm, seed))
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                "base_eval": base_eval, "results": results}, indent=1))
+
+    try:
+        for size in args.sizes:
+            model, compose = prepare_model(args, size)
+            forkrl_arms = [a for a in args.arms if a != "trl"]
+            # tiny: the arms interleaved, each seen under the same load of the machine; 0.5b: TRL after the services
+            # stop (each side holds a 0.5B model with its gradients and AdamW state, ~8 GB)
+            later = [] if size == "tiny" or not forkrl_arms else [a for a in args.arms if a == "trl"]
+            with Stack(data_dir=args.data_dir, services=["rollout", "trainer"] if forkrl_arms else ["model"],
+                       compose_files=compose, echo=False, env=free_ports()) as stack:
+                stub = (trainer_pb2_grpc.TrainerServiceStub(grpc_channel(stack.addresses["trainer"],
+                                                                         token=stack.token))
+                        if forkrl_arms else None)
+                if size == "tiny":
+                    base_eval[size] = evaluate_model(model, args.eval_prompts, max_new_tokens=args.max_new_tokens,
+                                                     device=args.device)
+                run_arms([a for a in args.arms if a not in later], stub, stack)
+            run_arms(later, None, None)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
     print("\n".join(report(results, base_eval)))
     print(f"\nresults: {args.out}")
     return 0
