@@ -18,7 +18,7 @@ entropy_top_frac / top_entropy_quantile) and reward (forkrl's countdown reward).
   tiny    the embedded default model: speed and learning (32 x 8 x 16 tokens, --num-steps steps)
   0.5b    a random-init Qwen2 of ~0.5B parameters (forkrl/models/random_qwen2.py): speed only, --big-steps
           steps of --big-shape (prompts, samples, new tokens; the issue's 64 x 4 x 128 by default); its TRL
-          runs start after the services stop (each side holds the model, its gradients and AdamW state: ~8 GB)
+          runs start after the services stop (each side holds the model, its gradients and AdamW state)
 One evaluator scores every arm's final model and the initial one (`evaluate_model`: forkrl's transformers sampler,
 --eval-prompts prompts of the countdown eval split, T=1 with 4 samples each and greedy, forkrl's reward).
 
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             model, compose = prepare_model(args, size)
             forkrl_arms = [a for a in args.arms if a != "trl"]
             # tiny: the arms interleaved, each seen under the same load of the machine; 0.5b: TRL after the services
-            # stop (each side holds a 0.5B model with its gradients and AdamW state, ~8 GB)
+            # stop (each side holds a 0.5B model with its gradients and AdamW state)
             later = [] if size == "tiny" or not forkrl_arms else [a for a in args.arms if a == "trl"]
             with Stack(data_dir=args.data_dir, services=["rollout", "trainer"] if forkrl_arms else ["model"],
                        compose_files=compose, echo=False, env=free_ports()) as stack:
