@@ -132,11 +132,29 @@ def write_plot(path: Path, results: list[dict], title: str) -> Path:
     return plot_arm_curves(path, arms, title=title)
 
 
-def _run_one(stub, stack, args: argparse.Namespace, model: Path, arm: str, seed: int) -> dict:  # noqa: ANN001
-    from forkrl.training.config import RunConfig, to_proto
-    from forkrl.training.curves import eval_gain, read_metrics
-    from forkrl.training.metrics import mean_class_breakdown
+def run_to_end(stub, cfg, label: str) -> list[dict]:  # noqa: ANN001 (TrainerServiceStub, RunConfig)
+    """Start `cfg` on the trainer service, follow it to its end (printing its evaluations), and return its
+    metrics.jsonl lines; RuntimeError when the run does not succeed. Shared with bench/bench_peers.py."""
+    from forkrl.training.config import to_proto
+    from forkrl.training.curves import read_metrics
     from forkrl.wire.trainer.v1 import trainer_pb2
+
+    started = stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(cfg)), timeout=120)
+    for item in stub.WatchRun(trainer_pb2.WatchRunRequest(run_id=started.run_id)):
+        if item.HasField("event") and item.event.kind == trainer_pb2.EVENT_KIND_EVAL:
+            v = item.event.values
+            print(f"  {label} step {item.event.step:4d}: eval T=1 {v['eval_accuracy']:.3f} "
+                  f"greedy {v['eval_greedy_accuracy']:.3f}", flush=True)
+    run = stub.GetRun(trainer_pb2.GetRunRequest(run_id=started.run_id), timeout=30)
+    if run.state != trainer_pb2.RUN_STATE_SUCCEEDED:
+        raise RuntimeError(f"run {label} failed: {run.error}")
+    return read_metrics(Path(cfg.run_dir))
+
+
+def _run_one(stub, stack, args: argparse.Namespace, model: Path, arm: str, seed: int) -> dict:  # noqa: ANN001
+    from forkrl.training.config import RunConfig
+    from forkrl.training.curves import eval_gain
+    from forkrl.training.metrics import mean_class_breakdown
 
     run_dir = args.data_dir / "runs" / f"{args.loss}-{arm}-seed{seed}-{time.strftime('%H%M%S')}"
     fields = arm_config(arm, args.prompts_per_step)
@@ -145,16 +163,7 @@ def _run_one(stub, stack, args: argparse.Namespace, model: Path, arm: str, seed:
                     lr=args.lr, eval_prompts=args.eval_prompts, eval_every=args.eval_every, seed=seed,
                     run_dir=str(run_dir), task=args.task, **fields)
     t0 = time.monotonic()
-    started = stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(cfg)), timeout=120)
-    for item in stub.WatchRun(trainer_pb2.WatchRunRequest(run_id=started.run_id)):
-        if item.HasField("event") and item.event.kind == trainer_pb2.EVENT_KIND_EVAL:
-            v = item.event.values
-            print(f"  {arm} seed {seed} step {item.event.step:4d}: eval T=1 {v['eval_accuracy']:.3f} "
-                  f"greedy {v['eval_greedy_accuracy']:.3f}", flush=True)
-    run = stub.GetRun(trainer_pb2.GetRunRequest(run_id=started.run_id), timeout=30)
-    if run.state != trainer_pb2.RUN_STATE_SUCCEEDED:
-        raise RuntimeError(f"run {arm} seed {seed} failed: {run.error}")
-    lines = read_metrics(run_dir)
+    lines = run_to_end(stub, cfg, f"{arm} seed {seed}")
     evals = [m for m in lines if m["kind"] == "eval"]
     train = [m for m in lines if m["kind"] == "train" and "time_step_s" in m]
     return {

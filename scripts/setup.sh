@@ -20,11 +20,11 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "
   exit 0
 fi
 
-echo "[setup] installing forkrl[$EXTRA,test] into $VENV (first time: ~2-3 min, ~3.6 GB)"
+echo "[setup] installing forkrl[$EXTRA,test,bench] into $VENV (first time: ~2-3 min, ~3.6 GB)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # The CPU build pins torch==2.13.0+cpu. PyPI has no '+cpu' wheels: pip finds it through its configured
 # find-links / extra index (on other machines add PyTorch's CPU wheel index as an extra index URL).
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[$EXTRA,test]" 2>&1 \
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[$EXTRA,test,bench]" 2>&1 \
   | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -c "import forkrl" >/dev/null
 if [ "$EXTRA" = "cpu" ]; then
