@@ -103,7 +103,7 @@ class Policy:
         metrics = train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
                              micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
                              ref_model=self.ref_model, mini_batch_size=mini, epochs=cfg.ppo_epochs, kept_out=kept,
-                             skipped_out=skipped, stop=stop)
+                             skipped_out=skipped, stop=stop, kl_pass=cfg.kl_pass)
         # every rank gathers the kept flags (a collective); rank 0 alone has the problems to label them with
         if spec is not None and kept is not None and len(kept) == len(flat) and hasattr(scored, "problems"):
             problems = [p for p, g in zip(scored.problems, scored.groups, strict=True) for _ in g]
