@@ -37,7 +37,7 @@ What happens (algorithms.md §0-§3, §3.8):
    *current* weights, §1.3) → the optional truncated-IS weight (forkrl/rl/tis.py, `loss_cfg.tis_cap`; for CISPO
    the behaviour log-probs become its IS weight's denominator instead) → the loss's share of the update loss →
    backward. Then the guard, the gradient clip and the optimizer step.
-4. With `kl_pass` (off by default: it costs one more forward over the batch, about a fifth of a one-update step),
+4. With `kl_pass` (off by default: it costs one more forward over the batch; docs/results.md has its share),
    after the last update one no-grad pass gives approx_kl = k3 estimate of KL(π_old ‖ π_new) on the kept tokens
    of each micro-batch's last update (and on all response tokens: approx_kl_all). Always, and free: the loss
    passes' approx_kl_start (forkrl/rl/step_metrics.py), the KL from π_old to the weights each update starts from.
