@@ -55,6 +55,28 @@ def apply_runtime_env(threads: int | None = None) -> None:
     Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask: taskset, a container's cpuset), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def train_threads(setting: int | str, *, async_run: bool) -> int:
+    """torch threads for a run's training. A number: that number. "auto": the budget (OMP_NUM_THREADS when the
+    environment sets it, as vLLM honours it, else the usable cores) shared among the ranks of this machine
+    (LOCAL_WORLD_SIZE, set by torchrun): all of it in a sync run, where generation and training take turns and
+    each phase may use the whole machine; half of it (at least 1) in an async run (max_staleness > 0), where the
+    rollout service samples the next batch while the trainer trains."""
+    if setting != "auto":
+        return int(setting)
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    budget = int(omp) if omp.isdigit() and int(omp) > 0 else usable_cores()
+    share = budget // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, share // 2 if async_run else share)
+
+
 SERVICE_PID_ENV = "FORKRL_SERVICE_PID"
 
 

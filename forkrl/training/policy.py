@@ -146,10 +146,16 @@ class Policy:
         return save_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state or {})
 
 
-def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto") -> Policy:
+def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto", threads: int | str = "auto") -> Policy:
     """The initial policy of cfg.model, or with cfg.resume the latest complete checkpoint in run_dir; with
-    cfg.activation_checkpointing its decoder layers recompute their activations in the backward (1 or N ranks)."""
+    cfg.activation_checkpointing its decoder layers recompute their activations in the backward (1 or N ranks).
+    Sets the process's torch threads for the run: `threads` resolved by forkrl/runtime.py `train_threads` (auto:
+    every core in a sync run, half in an async one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from forkrl.runtime import train_threads
+
+    torch.set_num_threads(train_threads(threads, async_run=cfg.max_staleness > 0))
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     resume_from = latest_checkpoint(run_dir) if cfg.resume else None
