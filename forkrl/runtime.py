@@ -55,6 +55,15 @@ def apply_runtime_env(threads: int | None = None) -> None:
     Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
 
 
+def apply_thread_env() -> None:
+    """OpenMP defaults for torch's CPU threads in this process: call before torch is imported (libgomp reads them
+    when it loads). OMP_WAIT_POLICY=PASSIVE: a thread that waits at a barrier sleeps instead of spinning. With more
+    than one thread on a machine where other work takes cores, a spinning thread burns the time slices its
+    descheduled peers need and a step slows down by an order of magnitude; passive threads keep a second thread
+    a gain there too (docs/results.md, issue 28). A value the environment already has wins."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def usable_cores() -> int:
     """The CPUs this process may run on (its affinity mask: taskset, a container's cpuset), at least 1."""
     try:

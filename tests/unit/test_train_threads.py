@@ -65,3 +65,23 @@ def test_load_policy_sets_the_run_s_threads(tiny_model_dir, tmp_path, monkeypatc
             assert torch.get_num_threads() == want
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_trainer_process_waits_passively_unless_told_otherwise() -> None:
+    import os
+    import subprocess
+    import sys
+
+    # a stand-in server module: what the environment holds, and whether torch was loaded, when serve() starts
+    code = ("import os, sys, types\n"
+            "stub = types.ModuleType('trainer_service.server')\n"
+            "stub.serve = lambda s: print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules) or 0\n"
+            "sys.modules['trainer_service.server'] = stub\n"
+            "from trainer_service.__main__ import main\n"
+            "main([])")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["PASSIVE", "False"]  # set before torch loads (libgomp reads it then)
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split() == ["ACTIVE", "False"]  # the user's value wins
