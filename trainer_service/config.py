@@ -43,10 +43,9 @@ class TrainerSettings(TokenSettings):
     threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     """torch threads for training: auto (the default) sets them per run from OMP_NUM_THREADS when set, else the CPUs
     this process may use (its affinity: taskset, a container's cpuset), shared among the ranks on this machine: all
-    of them in a sync run,
-    where generation and training take turns, half in an async run (--max-staleness > 0), where the rollout
-    service samples while the trainer trains; a number >= 1: that many for every run (e.g. 1 when other CPU-bound
-    work shares the machine)."""
+    of them in a sync run, where generation and training take turns, half in an async run (a run's max_staleness >
+    0), where the rollout service samples while the trainer trains; a number >= 1: that many for every run (e.g. 1
+    when other busy processes share the machine)."""
     device: str = "auto"
     """torch device for training: auto (cuda if present), cpu, cuda."""
     max_step_samples: int = Field(16384, ge=1)
