@@ -10,6 +10,8 @@ Why each one (the measurements: docs/results.md, "Numbers moved out of docstring
   the project's cache dir instead of /tmp and ~/.cache.
 - OMP_NUM_THREADS: two CPU-bound processes with a thread per core each oversubscribe the cores and slow each
   other down by an order of magnitude.
+- OMP_WAIT_POLICY=PASSIVE (`apply_thread_env`): waiting OpenMP threads sleep instead of spinning on cores that the
+  trainer, another engine or other work needs.
 
 `mark_service_process()` / `die_with_service()`: the processes a service's engine starts (vLLM's engine core,
 its worker) end when the service's main process ends, also when it was SIGKILLed (nothing runs in it then).
@@ -52,6 +54,7 @@ def apply_runtime_env(threads: int | None = None) -> None:
         defaults["MKL_NUM_THREADS"] = str(threads)
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    apply_thread_env()  # the engine's OpenMP threads wait passively too (its processes inherit the variable)
     Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
 
 
