@@ -85,3 +85,17 @@ def test_the_trainer_process_waits_passively_unless_told_otherwise() -> None:
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
                          text=True, check=True)
     assert out.stdout.split() == ["ACTIVE", "False"]  # the user's value wins
+
+
+def test_the_engines_wait_passively_unless_told_otherwise() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; from forkrl.runtime import apply_runtime_env; apply_runtime_env(); "
+            "print(os.environ['OMP_WAIT_POLICY'])")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        e = env if given is None else {**env, "OMP_WAIT_POLICY": given}
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want
