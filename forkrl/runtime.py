@@ -10,6 +10,8 @@ Why each one (the measurements: docs/results.md, "Numbers moved out of docstring
   the project's cache dir instead of /tmp and ~/.cache.
 - OMP_NUM_THREADS: two CPU-bound processes with a thread per core each oversubscribe the cores and slow each
   other down by an order of magnitude.
+- OMP_WAIT_POLICY=PASSIVE (`apply_thread_env`): waiting OpenMP threads sleep instead of spinning on cores that the
+  trainer, another engine or other work needs.
 
 `mark_service_process()` / `die_with_service()`: the processes a service's engine starts (vLLM's engine core,
 its worker) end when the service's main process ends, also when it was SIGKILLed (nothing runs in it then).
@@ -52,7 +54,39 @@ def apply_runtime_env(threads: int | None = None) -> None:
         defaults["MKL_NUM_THREADS"] = str(threads)
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    apply_thread_env()  # the engine's OpenMP threads wait passively too (its processes inherit the variable)
     Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
+
+
+def apply_thread_env() -> None:
+    """OpenMP defaults for torch's CPU threads in this process: call before torch is imported (libgomp reads them
+    when it loads). OMP_WAIT_POLICY=PASSIVE: a thread that waits at a barrier sleeps instead of spinning. With more
+    than one thread on a machine where other work takes cores, a spinning thread burns the time slices its
+    descheduled peers need and a step slows down by an order of magnitude; passive threads keep a second thread
+    a gain there too (docs/results.md, issue 28). A value the environment already has wins."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask: taskset, a container's cpuset), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def train_threads(setting: int | str, *, async_run: bool) -> int:
+    """torch threads for a run's training. A number: that number. "auto": the budget (OMP_NUM_THREADS when the
+    environment sets it, as vLLM honours it, else the usable cores) shared among the ranks of this machine
+    (LOCAL_WORLD_SIZE, set by torchrun): all of it in a sync run, where generation and training take turns and
+    each phase may use the whole machine; half of it (at least 1) in an async run (max_staleness > 0), where the
+    rollout service samples the next batch while the trainer trains."""
+    if setting != "auto":
+        return int(setting)
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    budget = int(omp) if omp.isdigit() and int(omp) > 0 else usable_cores()
+    share = budget // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, share // 2 if async_run else share)
 
 
 SERVICE_PID_ENV = "FORKRL_SERVICE_PID"

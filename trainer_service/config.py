@@ -9,7 +9,7 @@ Imports nothing heavy: `--help` must stay instant.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -40,8 +40,12 @@ class TrainerSettings(TokenSettings):
     StartRun's rollout_addresses must each be one of them: the trainer sends prompts and weights there."""
     allow_custom_rewards: bool = False
     """Accept reward='package.module:function' in StartRun (imports and runs that code in the trainer)."""
-    threads: int = Field(1, ge=1)
-    """torch threads for the training forward/backward."""
+    threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    """torch threads for training: auto (the default) sets them per run from OMP_NUM_THREADS when set, else the CPUs
+    this process may use (its affinity: taskset, a container's cpuset), shared among the ranks on this machine: all
+    of them in a sync run, where generation and training take turns, half in an async run (a run's max_staleness >
+    0), where the rollout service samples while the trainer trains; a number >= 1: that many for every run (e.g. 1
+    when other busy processes share the machine)."""
     device: str = "auto"
     """torch device for training: auto (cuda if present), cpu, cuda."""
     max_step_samples: int = Field(16384, ge=1)

@@ -144,7 +144,7 @@ async def _serve(settings: TrainerSettings, link: RankLink) -> int:
     manager = RunManager(Path(settings.runs_root),
                          lambda run: run_training(run, device=settings.device, tensorboard=settings.tensorboard,
                                                      token=token, link=link,
-                                                     rollout_wait_s=settings.rollout_wait_s))
+                                                     rollout_wait_s=settings.rollout_wait_s, threads=settings.threads))
     rules = settings.rules()
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(
         TrainerServicer(manager, lambda cfg: preflight(cfg, rules)), server)
@@ -184,13 +184,14 @@ def serve(settings: TrainerSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
+    from forkrl.runtime import train_threads
     from forkrl.training.ranks import follow, init_ranks
 
-    torch.set_num_threads(settings.threads)
+    torch.set_num_threads(train_threads(settings.threads, async_run=False))  # each run sets its own (load_policy)
     # Under torchrun (WORLD_SIZE > 1) every rank runs this: rank 0 serves, the others follow its commands.
     link = init_ranks()
     if link.rank != 0:
-        follow(settings.device)
+        follow(settings.device, settings.threads)
         return 0
     try:
         return asyncio.run(_serve(settings, link))

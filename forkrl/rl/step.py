@@ -37,8 +37,10 @@ What happens (algorithms.md §0-§3, §3.8):
    *current* weights, §1.3) → the optional truncated-IS weight (forkrl/rl/tis.py, `loss_cfg.tis_cap`; for CISPO
    the behaviour log-probs become its IS weight's denominator instead) → the loss's share of the update loss →
    backward. Then the guard, the gradient clip and the optimizer step.
-4. After the last update, one no-grad pass gives approx_kl = k3 estimate of KL(π_old ‖ π_new) on the kept
-   tokens of each micro-batch's last update (and on all response tokens: approx_kl_all).
+4. With `kl_pass` (off by default: it costs one more forward over the batch; docs/results.md has its share),
+   after the last update one no-grad pass gives approx_kl = k3 estimate of KL(π_old ‖ π_new) on the kept tokens
+   of each micro-batch's last update (and on all response tokens: approx_kl_all). Always, and free: the loss
+   passes' approx_kl_start (forkrl/rl/step_metrics.py), the KL from π_old to the weights each update starts from.
 
 Guards. Before each optimizer step: a non-finite loss (on any rank) or gradient norm skips that update (the
 gradients are dropped, no optimizer step: weights and optimizer state unchanged); it is counted
@@ -268,7 +270,7 @@ def _update(ctx: _Ctx, k: int, mus: list[_Micro], old: list[Tensor | None] | Non
         loss_bad = max(loss_bad, 0.0 if math.isfinite(m["loss"]) else 1.0)
         with torch.no_grad():
             record_micro(upd, m, ent[resp].float(), (old_logp - mb.rollout_logp).abs()[resp], token_mask[resp],
-                         threshold, None if raw is None else raw[resp], cfg.tis_cap)
+                         threshold, None if raw is None else raw[resp], cfg.tis_cap, (logp - old_logp)[resp])
         seen[(k, j)] = (old_logp.detach(), token_mask)
     sum_replicated_grads(model, ctx.group)
     stop, (bad,) = ctx.flags(loss_bad)  # the stop and the loss check: the same decision on every rank
@@ -357,6 +359,7 @@ def train_step(
     stop: Callable[[], bool] | None = None,
     group: dist.ProcessGroup | None = None,
     grad_sync: GradSync = "every",
+    kl_pass: bool = False,
 ) -> dict[str, float]:
     """The optimizer updates of one rollout batch on every rank of `group` (the default group; one process: no
     collective); returns the step's floats, equal on every rank (module docstring).
@@ -371,6 +374,7 @@ def train_step(
     optimizer step (module docstring); raises StepStopped when no update was applied yet.
     grad_sync: FSDP2 only (forkrl/rl/collectives.py `GradSync`): "every" (default) reduce-scatters each micro-batch's
     gradient, so gradients stay sharded; "last" accumulates them unsharded and reduce-scatters once per update.
+    kl_pass: one more no-grad forward after the last update for approx_kl / approx_kl_all (module docstring, 4.).
     """
     n = len(batch)
     if advantages.shape != (n,):
@@ -427,10 +431,11 @@ def train_step(
     if stopped:
         out["stopped"] = 1.0
         return out
-    try:
-        out["approx_kl"], out["approx_kl_all"] = _approx_kl(ctx, micros, last)
-    except _Stop:  # every update is applied: only this telemetry is left out
-        return out
+    if kl_pass:
+        try:
+            out["approx_kl"], out["approx_kl_all"] = _approx_kl(ctx, micros, last)
+        except _Stop:  # every update is applied: only this telemetry is left out
+            return out
     if kept_out is not None:
         kept_out.extend(_kept_rows(ctx, plan, micros, last))
     return out

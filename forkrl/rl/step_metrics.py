@@ -14,8 +14,11 @@ grad_norm_max the largest; clip fractions are over the kept tokens of all update
 response tokens, ratio_min/max over all; kept_tokens and response_tokens summed over updates (E epochs count
 every token E times); entropy statistics, mask_threshold (the lowest) and logp_delta_* over the tokens of every
 update; n_updates (applied), skipped_updates (non-finite loss or gradient norm, no optimizer step),
-micro_batches (per epoch); approx_kl / approx_kl_all when the step ran to its end, `stopped` = 1 when a stop
-cut it short after at least one applied update.
+micro_batches (per epoch); approx_kl_start = the k3 estimate of KL(π_old ‖ π_θ) over the kept tokens of every
+update's loss pass, i.e. with the weights each update starts from (0 when the step has one update: π_θ = π_old
+there; free: the loss pass has both log-probs); approx_kl / approx_kl_all (after the last update, one more
+forward: forkrl/rl/step.py `kl_pass`) when asked for and the step ran to its end; `stopped` = 1 when a stop cut it
+short after at least one applied update.
 """
 
 from __future__ import annotations
@@ -79,9 +82,10 @@ class Tally:
 
 
 def record_micro(t: Tally, m: dict[str, float], ent: Tensor, delta: Tensor, kept: Tensor, threshold: float,
-                 tis_raw: Tensor | None, tis_cap: float | None) -> None:
+                 tis_raw: Tensor | None, tis_cap: float | None, log_ratio: Tensor) -> None:
     """Add one micro-batch: the loss metrics `m` of policy_loss, and over its response tokens (1-D, row-major)
-    the entropies, |π_old − π_behav| log-prob gaps, the kept flags and the raw TIS ratios (None: TIS off)."""
+    the entropies, |π_old − π_behav| log-prob gaps, the kept flags, the raw TIS ratios (None: TIS off) and the
+    log-ratios log π_θ − log π_old of the loss pass (for approx_kl_start: k3 = e^d − d − 1 on the kept tokens)."""
     for key, v in m.items():
         if key == "ratio_max":
             t.hi(key, v)
@@ -92,17 +96,19 @@ def record_micro(t: Tally, m: dict[str, float], ent: Tensor, delta: Tensor, kept
                 else m["response_tokens"]
             t.add(key, v * w)
     ent64, d64 = ent.double(), delta.double()
+    lr64 = log_ratio.detach().double().clamp(-20.0, 20.0)
     t.entropies.append(ent.detach())
     ninf = torch.full((), -math.inf, dtype=torch.float64, device=d64.device)
     # one device sync for all of them (the response has >= 1 token: the micro-batch would not be trained else)
-    e_sum, e_kept, d_sum, d_kept, d_max, d_kept_max = torch.stack([
+    e_sum, e_kept, d_sum, d_kept, d_max, d_kept_max, k3_kept = torch.stack([
         ent64.sum(), torch.where(kept, ent64, 0.0).sum(), d64.sum(), torch.where(kept, d64, 0.0).sum(),
-        d64.max(), torch.where(kept, d64, ninf).max()]).tolist()
+        d64.max(), torch.where(kept, d64, ninf).max(), torch.where(kept, lr64.exp() - lr64 - 1.0, 0.0).sum()]).tolist()
     t.add("~entropy", e_sum)
     t.add("~entropy_kept", e_kept)
     t.add("~delta", d_sum)
     t.add("~delta_kept", d_kept)
     t.hi("~delta_max", d_max)
+    t.add("~k3_kept", k3_kept)
     if d_kept_max > -math.inf:
         t.hi("~delta_kept_max", d_kept_max)
     t.lo("mask_threshold", threshold)
@@ -159,6 +165,7 @@ def step_metrics(local: Tally, *, n_applied: int, n_skipped: int, micro_batches:
         logp_delta_max=t.maxs.get("~delta_max", 0.0),
         logp_delta_kept_mean=s.get("~delta_kept", 0.0) / n_kept if n_kept else 0.0,
         logp_delta_kept_max=d_kept_max if d_kept_max > -math.inf else 0.0,
+        approx_kl_start=s.get("~k3_kept", 0.0) / n_kept if n_kept else 0.0,
         micro_batches=float(micro_batches), n_updates=float(n_applied), skipped_updates=float(n_skipped),
     )
     if tis_on:

@@ -172,6 +172,11 @@ class RunConfig(BaseModel):
     checkpointing, on 1 or N ranks): per layer only its input is kept, for about one more forward of compute; the
     numbers do not change. Needed for long responses (recipes/dapo_paper.toml turns it on: docs/scaling.md
     "Memory plan"); off by default (the short rows of the tiny default do not need it)."""
+    kl_pass: bool = False
+    """One more no-grad forward over the batch after the last update, for approx_kl / approx_kl_all = the k3 estimate
+    of KL(π_old ‖ π_new) on the kept / all response tokens (algorithms.md §3.8). Off by default: it is telemetry only
+    and costs one more forward; every step logs approx_kl_start, the KL from π_old to the weights each update starts
+    from, from the loss pass itself (0 with one update per batch)."""
     prompt_format: PromptFormat = "raw"
     """How a problem becomes the model's prompt (forkrl/data/prompts.py): raw (the text as is), chat (the
     tokenizer's chat template; a row's own message list is kept), dapo (DAPO's math prompt in the chat template,

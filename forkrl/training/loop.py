@@ -104,18 +104,20 @@ class RunHandle(Protocol):
 
 
 def run_training(run: RunHandle, *, device: str = "auto", tensorboard: bool = True,
-                 token: str | None = None, link: RankLink | None = None, rollout_wait_s: float = 300.0) -> None:
+                 token: str | None = None, link: RankLink | None = None, rollout_wait_s: float = 300.0,
+                 threads: int | str = "auto") -> None:
     """Run `run.config` to its end. `token`: the bearer token sent to the rollout services (None: from the
     environment). `link`: the other ranks of a multi-rank trainer (forkrl/training/ranks.py); None or a
     1-process link: this process alone. `rollout_wait_s`: after a rollout fault, how long to wait for the
-    services to be SERVING again before the run fails."""
+    services to be SERVING again before the run fails. `threads`: torch threads of the run (forkrl/runtime.py
+    `train_threads`)."""
     link = link or RankLink()
     cfg, run_dir = run.config, run.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2, sort_keys=True))
     link.tell("start", cfg, str(run_dir))
     try:
-        _run(run, cfg, run_dir, device, tensorboard, link, token, rollout_wait_s)
+        _run(run, cfg, run_dir, device, tensorboard, link, token, rollout_wait_s, threads)
     finally:
         link.tell("end")
 
@@ -131,8 +133,8 @@ def lease_id(run_dir: Path, run_id: str, resume: bool) -> str:
 
 
 def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard: bool, link: RankLink,
-         token: str | None, rollout_wait_s: float) -> None:
-    policy = load_policy(cfg, run_dir, device)
+         token: str | None, rollout_wait_s: float, threads: int | str) -> None:
+    policy = load_policy(cfg, run_dir, device, threads)
     run.start_step = run.step = policy.start_step
     rid = lease_id(run_dir, run.run_id, cfg.resume)
     sink = MetricsSink.for_run(run_dir, cfg, rid, tensorboard)  # --log-to: jsonl + TensorBoard / W&B

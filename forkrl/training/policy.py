@@ -103,7 +103,7 @@ class Policy:
         metrics = train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
                              micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
                              ref_model=self.ref_model, mini_batch_size=mini, epochs=cfg.ppo_epochs, kept_out=kept,
-                             skipped_out=skipped, stop=stop)
+                             skipped_out=skipped, stop=stop, kl_pass=cfg.kl_pass)
         # every rank gathers the kept flags (a collective); rank 0 alone has the problems to label them with
         if spec is not None and kept is not None and len(kept) == len(flat) and hasattr(scored, "problems"):
             problems = [p for p, g in zip(scored.problems, scored.groups, strict=True) for _ in g]
@@ -146,10 +146,16 @@ class Policy:
         return save_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state or {})
 
 
-def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto") -> Policy:
+def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto", threads: int | str = "auto") -> Policy:
     """The initial policy of cfg.model, or with cfg.resume the latest complete checkpoint in run_dir; with
-    cfg.activation_checkpointing its decoder layers recompute their activations in the backward (1 or N ranks)."""
+    cfg.activation_checkpointing its decoder layers recompute their activations in the backward (1 or N ranks).
+    Sets the process's torch threads for the run: `threads` resolved by forkrl/runtime.py `train_threads` (auto:
+    every core in a sync run, half in an async one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from forkrl.runtime import train_threads
+
+    torch.set_num_threads(train_threads(threads, async_run=cfg.max_staleness > 0))
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     resume_from = latest_checkpoint(run_dir) if cfg.resume else None

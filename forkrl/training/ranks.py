@@ -111,7 +111,7 @@ def _receive() -> tuple[str, tuple]:
     return box[0], box[1]
 
 
-def follow(device: str = "auto") -> None:
+def follow(device: str = "auto", threads: int | str = "auto") -> None:
     """Ranks > 0: do what rank 0 says until it says "exit". SIGTERM is ignored: torchrun sends it to every
     rank at once, and rank 0 still needs the others for its final checkpoint before it says "exit"."""
     from forkrl.training.policy import NonFiniteWeights, load_policy
@@ -125,7 +125,7 @@ def follow(device: str = "auto") -> None:
         if op == "start":
             cfg, run_dir = args
             try:  # rank 0 fails the same way on a bad config and tells "end"; this rank stays available
-                policy = load_policy(cfg, Path(run_dir), device)
+                policy = load_policy(cfg, Path(run_dir), device, threads)
                 log.info("rank %d: run started (%s)", rank, cfg.model)
             except Exception:
                 log.exception("rank %d: could not load the policy", rank)

@@ -119,7 +119,7 @@ def equality_cases(info, solo, ckpt_dir: str | None) -> dict:
     for name, cfg, tied, n, micro, opt_kind, *more in CASES:
         extra = more[0] if more else {}
         batch, adv = build_inputs(n)
-        kw = dict(temperature=0.9, micro_batch_size=micro, max_grad_norm=1.0, **extra)
+        kw = dict(temperature=0.9, micro_batch_size=micro, max_grad_norm=1.0, kl_pass=True, **extra)
         shared = name in SHARED_EMBEDDINGS
         ref = build_model(tied, shared)
         ref_model = build_model(tied, shared) if cfg.kl_beta > 0 else None

@@ -39,7 +39,8 @@ def _run(address: str, rollout: str, model: Path, run_dir: Path, *extra: str,
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
 
 
-RECIPE = ("--mini-batch-prompts", "4", "--ppo-epochs", "2", "--loss", "dapo", "--tis-cap", "2", "--dual-clip-c", "2")
+RECIPE = ("--mini-batch-prompts", "4", "--ppo-epochs", "2", "--loss", "dapo", "--tis-cap", "2", "--dual-clip-c", "2",
+          "--kl-pass")
 
 
 def test_a_two_rank_trainer_runs_and_its_first_step_equals_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -143,7 +143,7 @@ def test_activation_checkpointing_recomputes_the_layers_and_changes_no_number() 
     plain, with_ckpt = _step(model, batch, adv), _step(ckpt, batch, adv)
     _assert_same_step(plain, with_ckpt)
     # the copies deep-copied the hooks: 8 forwards with grad (4 updates x 2 micro-batches), each recomputed once
-    # more in its backward; the no-grad passes (pi_old, approx_kl) are not checkpointed
+    # more in its backward; the no-grad passes (pi_old; approx_kl with kl_pass) are not checkpointed
     grad_forwards = sum(calls["plain"])
     assert grad_forwards == 8 and len(calls["ckpt"]) == len(calls["plain"]) + grad_forwards
 

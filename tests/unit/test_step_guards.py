@@ -127,7 +127,7 @@ def test_a_stop_after_the_first_of_several_updates_keeps_it_and_reports_it() -> 
     stop = _StopAfter(ours, 8)
     kept: list[torch.Tensor] = []
     m = train_step(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), batch, adv, cfg, mini_batch_size=4,
-                   epochs=3, stop=stop, kept_out=kept, **KW)
+                   epochs=3, stop=stop, kept_out=kept, kl_pass=True, **KW)
     assert m["stopped"] == 1.0 and m["n_updates"] == 1.0 and m["skipped_updates"] == 0.0
     assert "approx_kl" not in m and kept == []  # telemetry of a complete step only
     assert stop.forwards_after == 0

@@ -123,7 +123,7 @@ def test_later_mini_batches_clip_on_a_step_built_to_clip() -> None:
     assert m["n_updates"] == 6.0 and m["micro_batches"] == 6.0
     assert m["clip_frac_low"] > 0 and m["clip_frac_high"] > 0
     assert m["ratio_max"] > 1.28 and m["ratio_min"] < 0.8
-    assert m["approx_kl"] > 0 and m["approx_kl_all"] > 0
+    assert m["approx_kl_start"] > 0 and "approx_kl" not in m  # the extra pass only when asked for
     assert m["kept_tokens"] == m["response_tokens"] == 2 * int(batch.response_mask.sum())  # 2 epochs
     # one update (the default) never clips: its ratios are exactly 1
     one = train_step(_model(), torch.optim.AdamW(_model().parameters(), lr=0.05), batch, adv, cfg, temperature=1.0,
@@ -156,6 +156,55 @@ def test_micro_batches_inside_a_mini_batch_equal_the_whole_mini_batch(loss: str,
     for (name, a), b in zip(full.named_parameters(), accum.parameters(), strict=True):
         tol = 16 * FP32_EPS * max(1.0, float(a.detach().abs().max()))
         assert torch.allclose(a, b, rtol=0, atol=tol), name
+
+
+def test_approx_kl_start_is_the_k3_of_each_update_s_loss_pass_on_its_kept_tokens() -> None:
+    batch, adv = _batch(), torch.linspace(-1, 1, N)
+    cfg = LossConfig(name="dapo", entropy_top_frac=0.5)
+    base = _model()
+    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+    m = train_step(ours, torch.optim.SGD(ours.parameters(), lr=1.0), batch, adv, cfg, temperature=1.0,
+                   micro_batch_size=6, max_grad_norm=1e9, mini_batch_size=6)
+    opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    second = batch.slice(6, N)
+    with torch.no_grad():
+        ref.train()
+        old_second = _forward(ref, second, 1.0, False)[0]  # π_old: the weights before update 1
+    m1 = _manual_update(ref, opt, batch.slice(0, 6), adv[:6], cfg, None)  # its loss pass: π_θ = π_old, k3 = 0
+    with torch.no_grad():
+        logp, ent = _forward(ref, second, 1.0, True)  # update 2 starts from the weights after update 1
+    kept = forking_token_mask(ent, second.response_mask, 0.5).mask
+    d = (logp - old_second).double()[kept]
+    expected = float((d.exp() - d - 1.0).sum()) / (m1["kept_tokens"] + int(kept.sum()))
+    assert expected > 0
+    # float64 sums of the same float32 log-ratios, which differ by float32 rounding of the weights (SGD lr 1 on
+    # weights and gradients of size <= ~1): k3 ~ d^2/2, so a relative 1e-3 covers a few ulps of d
+    assert m["approx_kl_start"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_approx_kl_after_the_update_only_with_kl_pass() -> None:
+    batch, adv = _batch(), torch.linspace(-1, 1, N)
+    cfg = LossConfig(name="grpo", entropy_top_frac=None)  # every response token kept
+    base = _model()
+    kw = dict(temperature=1.0, micro_batch_size=N, max_grad_norm=1e9)
+    plain, with_pass = copy.deepcopy(base), copy.deepcopy(base)
+    m = train_step(plain, torch.optim.SGD(plain.parameters(), lr=1.0), batch, adv, cfg, **kw)
+    assert "approx_kl" not in m and "approx_kl_all" not in m
+    assert m["approx_kl_start"] == 0.0  # one update: its loss pass is π_old itself, log-ratio exactly 0
+    with torch.no_grad():
+        base.train()
+        before = _forward(base, batch, 1.0, False)[0]
+    mk = train_step(with_pass, torch.optim.SGD(with_pass.parameters(), lr=1.0), batch, adv, cfg, kl_pass=True, **kw)
+    with torch.no_grad():
+        after = _forward(with_pass, batch, 1.0, False)[0]
+    d = (after - before).double()[batch.response_mask]
+    expected = float((d.exp() - d - 1.0).mean())
+    assert expected > 0
+    assert mk["approx_kl"] == pytest.approx(expected, rel=1e-3) and mk["approx_kl_all"] == mk["approx_kl"]
+    assert {k: v for k, v in mk.items() if not k.startswith("approx_kl")} == \
+        {k: v for k, v in m.items() if not k.startswith("approx_kl")}  # the pass changes no other number
+    for a, b in zip(plain.parameters(), with_pass.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_bad_update_settings_are_refused() -> None:
