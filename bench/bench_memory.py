@@ -152,7 +152,7 @@ def worker(a: argparse.Namespace) -> None:
     out = {
         "weights": sum(local(p).numel() * 4 for p in model.parameters()),
         "adam": adam,
-        # forwards of the step: micro-batch 0, micro-batch 1 (the last), then approx_kl's two no-grad passes
+        # forwards of the step: micro-batch 0, micro-batch 1 (the last); approx_kl's pass only with kl_pass (off)
         "grads": at("fwd_start", 1) - base,
         "fwd_end": at("fwd_end", 1) - at("fwd_start", 1),
         "peak": max(live[first: last + 1]) - base,
