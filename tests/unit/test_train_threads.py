@@ -56,6 +56,9 @@ def test_load_policy_sets_the_run_s_threads(tiny_model_dir, tmp_path, monkeypatc
     monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    # torch's own function: an in-process vLLM CPU worker run by an earlier test in this pytest process replaces
+    # torch.set_num_threads with a no-op process-wide (a trainer process never runs vLLM, so only tests meet it)
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
     before = torch.get_num_threads()
     try:
         for staleness, threads, want in ((0, "auto", 4), (1, "auto", 2), (1, 3, 3)):
