@@ -53,6 +53,33 @@ class CliSettings(BaseSettings):
     )
 
 
+class ModelToolSettings(CliSettings):
+    """Base of the offline model tools' CLIs (python -m forkrl.eval, python -m forkrl.probe): flags only, and
+    the torch device and thread count of the process (apply_threads before torch is imported)."""
+
+    device: str = "auto"
+    """torch device: auto (cuda if present), cpu, cuda."""
+    threads: int = Field(0, ge=0, le=256)
+    """torch CPU threads; 0 = torch's default."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)  # flags only: a dataset path is read by the job itself, as in training
+
+    def apply_threads(self) -> None:
+        """Sets OMP_NUM_THREADS/MKL_NUM_THREADS from --threads; call before torch is imported."""
+        if self.threads:
+            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                os.environ[var] = str(self.threads)
+
+
 def validation_problems(err: ValidationError, *, flags: bool = False, env_prefix: str = "") -> Iterator[str]:
     """One readable line per problem, naming the field (or with flags=True its `--flag`, and its variable
     when the model reads `env_prefix`* variables) and the value.

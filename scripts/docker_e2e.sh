@@ -7,7 +7,8 @@
 #
 # Environment (all optional):
 #   COMPOSE_PROJECT   compose project name (default forkrl-e2e: its own containers and volumes)
-#   ROLLOUT_PORT TRAINER_PORT PROBE_PORT   ports on 127.0.0.1 (default 51051 51052 8100; must be free)
+#   ROLLOUT_PORT TRAINER_PORT PROBE_PORT   ports on 127.0.0.1 (default 51051 51052 8100; a port set here
+#                     must be free; a default that is taken moves to the next free port, with a log line)
 #   FORKRL_IMAGE      image tag to build and run (default forkrl:cpu)
 #   E2E_RUN_ARGS      extra flags for clients/start_run.py
 #   E2E_PROBE_JSON    probe request body (default: steps [1] + final, small sample)
@@ -22,6 +23,7 @@ REPO=$(pwd)
 
 export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT:-forkrl-e2e}
 # Not the default ports: a development stack (or a test) on 50051/50052/8000 can keep running meanwhile.
+PORTS_SET_BY_USER=" ${ROLLOUT_PORT:+ROLLOUT_PORT} ${TRAINER_PORT:+TRAINER_PORT} ${PROBE_PORT:+PROBE_PORT} "
 export ROLLOUT_PORT=${ROLLOUT_PORT:-51051} TRAINER_PORT=${TRAINER_PORT:-51052} PROBE_PORT=${PROBE_PORT:-8100}
 export FORKRL_IMAGE=${FORKRL_IMAGE:-forkrl:cpu}
 # Container paths must keep their defaults here (a FORKRL_DATA meant for clients/launch.py would move them).
@@ -127,11 +129,28 @@ log "image $FORKRL_IMAGE: $(docker image inspect -f '{{.Size}}' "$FORKRL_IMAGE" 
 end
 
 # ---- 5. compose up, wait until every long-running service is healthy
-for port in "$ROLLOUT_PORT" "$TRAINER_PORT" "$PROBE_PORT"; do
-  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-    echo "port $port on 127.0.0.1 is in use (another stack?); set ROLLOUT_PORT/TRAINER_PORT/PROBE_PORT" >&2
-    exit 1
+# A port is taken when something accepts a connection on it. 51051/51052 lie in Linux's ephemeral range
+# (32768-60999), so any process on a busy machine (a test's server, a vLLM engine's socket) can hold one
+# by chance: a default that is taken moves up to the next free port; a port the user set must be free.
+port_taken() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+claimed=""
+for var in ROLLOUT_PORT TRAINER_PORT PROBE_PORT; do
+  port=${!var}
+  if [[ "$PORTS_SET_BY_USER" == *" $var "* ]]; then
+    if port_taken "$port"; then
+      echo "port $port on 127.0.0.1 ($var) is in use (another stack?); set another" >&2
+      exit 1
+    fi
+  else
+    first=$port
+    while port_taken "$port" || [[ " $claimed " == *" $port "* ]]; do
+      port=$((port + 1))
+      [ "$port" -lt $((first + 200)) ] || { echo "no free port in $first..$port on 127.0.0.1 for $var" >&2; exit 1; }
+    done
+    [ "$port" = "$first" ] || log "$var: port $first on 127.0.0.1 is in use; using $port"
+    export "$var=$port"
   fi
+  claimed="$claimed $port"
 done
 begin "up -> healthy"
 STACK_UP=1

@@ -17,16 +17,15 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from forkrl.cli import CliSettings, parse_settings
+from forkrl.cli import ModelToolSettings, parse_settings
 from forkrl.eval.params import EvalParams
 
 PROG = "python -m forkrl.eval"
 
 
-class EvalCliSettings(CliSettings, EvalParams):
+class EvalCliSettings(ModelToolSettings, EvalParams):
     """avg@n, pass@k and maj@k of a base model and checkpoints on benchmark files, graded by the run's reward."""
 
     model_config = SettingsConfigDict(cli_prog_name=PROG)
@@ -35,19 +34,6 @@ class EvalCliSettings(CliSettings, EvalParams):
     """Directory for eval_results.json, samples.jsonl and avg_vs_step.png."""
     device: str = "auto"
     """torch device of the transformers sampler: auto (cuda if present), cpu, cuda."""
-    threads: int = Field(0, ge=0, le=256)
-    """torch CPU threads; 0 = torch's default."""
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings,)  # flags only
 
     def params(self) -> EvalParams:
         return EvalParams.model_validate(self.model_dump(include=set(EvalParams.model_fields)))
@@ -55,9 +41,7 @@ class EvalCliSettings(CliSettings, EvalParams):
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(EvalCliSettings, argv)
-    if settings.threads:
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # read when torch is imported
-            os.environ[var] = str(settings.threads)
+    settings.apply_threads()
     from forkrl.eval import outputs
     from forkrl.eval.run import EvalInputError, plan_eval, run_eval
     from forkrl.probe.checkpoints import ProbeInputError

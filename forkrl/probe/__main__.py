@@ -20,21 +20,19 @@ aggregated DAPO/GRPO objective (`forkrl.probe.params.CAVEAT`, also in summary.js
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from forkrl.cli import CliSettings, parse_settings
+from forkrl.cli import ModelToolSettings, parse_settings
 from forkrl.probe.params import ProbeParams
 
 PROG = "python -m forkrl.probe"
 
 
-class ProbeCliSettings(CliSettings, ProbeParams):
+class ProbeCliSettings(ModelToolSettings, ProbeParams):
     """Entropy-gradient probe of RL checkpoints (per-token log-prob gradient norms by entropy bin x
     correctness x parameter x row). Caveat: teacher-forced per-token log-prob gradients, not a token's exact
     contribution to the trainer's aggregated objective."""
@@ -43,26 +41,11 @@ class ProbeCliSettings(CliSettings, ProbeParams):
 
     output_dir: str = "probe_out"
     """Directory for summary.json, token_probe_records.jsonl, manifest.json and the plots."""
-    device: str = "auto"
-    """torch device: auto (cuda if present), cpu, cuda."""
-    threads: int = Field(0, ge=0, le=256)
-    """torch CPU threads; 0 = torch's default."""
     progress: bool = True
     """A progress bar on stderr (--no-progress: none)."""
     report: bool = False
     """Also write report.html into --output-dir: the job as one self-contained HTML page to open in a browser
     (grad norm by entropy bin x correctness, the overlap, the caveat, example tokens in context; forkrl/report)."""
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings,)  # flags only: RL_DATASET_PATH is read by the job, as in training
 
     def job_params(self) -> ProbeParams:
         return ProbeParams.model_validate(self.model_dump(include=set(ProbeParams.model_fields)))
@@ -70,9 +53,7 @@ class ProbeCliSettings(CliSettings, ProbeParams):
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(ProbeCliSettings, argv)
-    if settings.threads:
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # read when torch is imported
-            os.environ[var] = str(settings.threads)
+    settings.apply_threads()
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "docker_e2e.sh"
+DEFAULT_ROLLOUT_PORT = 51051  # scripts/docker_e2e.sh
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -48,9 +50,31 @@ def test_docker_stack_end_to_end():
         pytest.fail(f"CI runs the Docker end-to-end test, but Docker cannot run here: {why}")
     if why:
         pytest.skip(why)
+    env = {k: v for k, v in os.environ.items() if k not in ("ROLLOUT_PORT", "TRAINER_PORT", "PROBE_PORT")}
+    # The script's default rollout port lies in the ephemeral range, where any process on a busy machine can
+    # hold it (a CI run once failed on that): this test holds it itself, so the move to a free port runs here.
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT socket on it must not matter
+    try:
+        squatter.bind(("127.0.0.1", DEFAULT_ROLLOUT_PORT))
+        squatter.listen()
+    except OSError:
+        pass  # already taken by something else: the script must move past it just the same
+    try:
+        out, returncode = _run_script(env)
+    finally:
+        squatter.close()
+    print(out[-20000:])
+    assert returncode == 0, f"scripts/docker_e2e.sh failed (exit {returncode}); output above"
+    assert "E2E OK" in out
+    assert "summary: checkpoints" in out
+    assert f"ROLLOUT_PORT: port {DEFAULT_ROLLOUT_PORT} on 127.0.0.1 is in use; using " in out
+
+
+def _run_script(env: dict[str, str]) -> tuple[str, int]:
     proc = subprocess.Popen(
         ["bash", str(SCRIPT)], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL, env=env,
     )
     try:
         out, _ = proc.communicate(timeout=3300)  # under the test's own 3600 s limit, so the output is kept
@@ -58,7 +82,4 @@ def test_docker_stack_end_to_end():
         proc.send_signal(signal.SIGTERM)  # the script's trap takes the stack down (SIGKILL would not)
         out, _ = proc.communicate(timeout=240)
         pytest.fail(f"scripts/docker_e2e.sh still running after 3300 s; output:\n{out[-20000:]}")
-    print(out[-20000:])
-    assert proc.returncode == 0, f"scripts/docker_e2e.sh failed (exit {proc.returncode}); output above"
-    assert "E2E OK" in out
-    assert "summary: checkpoints" in out
+    return out, proc.returncode
