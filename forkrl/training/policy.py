@@ -185,7 +185,7 @@ def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto", threads: in
         ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, use_safetensors=True)
         ref_model.to(dev).eval().requires_grad_(False)
     # fused: one vectorized kernel over all tensors on CPU and CUDA (torch's CPU default is a Python loop per
-    # tensor, a fifth of a 0.5B-parameter CPU step in a profile: docs/results.md); the same AdamW update.
+    # tensor; docs/results.md compares them); the same AdamW update, and HF Trainer's default.
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay, eps=1e-8, fused=dev.type in ("cpu", "cuda"))
     if resume_from is not None:  # any checkpoint onto any number of ranks (forkrl/weights/sharded.py)
