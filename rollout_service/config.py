@@ -29,6 +29,11 @@ class RolloutSettings(TokenSettings):
     """Address to listen on. Any address but loopback needs a token (the service refuses to start without)."""
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port (0 = any free port, printed at start)."""
+    backend: Literal["auto", "vllm", "torch"] = "auto"
+    """What generates. vllm: vLLM's async engine; torch: forkrl's batched KV-cache sampler on the HF model in this
+    process (for models too small for vLLM's per-step overhead; no weight-transfer API, pushes by shm, stream or
+    path); auto: torch on a CPU for models of at most 20M parameters, vLLM otherwise (rollout_service/backends.py).
+    The engine settings below (kv_cache_gib, enforce_eager, engine_mode, weight_transfer) are vLLM's."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Engine dtype. float32 is the safe CPU default and matches the trainer's fp32 logprobs (to float32
     rounding); bfloat16 is faster but its logprobs differ from the trainer's by far more (the IS ratio and the

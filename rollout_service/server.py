@@ -133,9 +133,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def load(self, make_backend: Callable[[RolloutSettings], Any] | None = None) -> None:
         """Start the engine (`make_backend` is the seam the plumbing tests use for a fake backend)."""
         if make_backend is None:
-            from rollout_service.vllm_backend import VllmBackend
+            from rollout_service.backends import start_backend
 
-            make_backend = VllmBackend.start
+            make_backend = start_backend
         backend = await make_backend(self.settings)
         self.engine = RolloutEngine(
             backend,
@@ -255,6 +255,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 engine_mode=str(eng.get("engine_mode", "")),
                 weight_transfer_backend=str(eng.get("weight_transfer_backend", "")),
                 weight_transfer_workers=int(eng.get("weight_transfer_workers", 0)),
+                backend=str(eng.get("backend", "")),
             ),
             counters=pb.Counters(**info["counters"]),
             vocab_size=info["vocab_size"],

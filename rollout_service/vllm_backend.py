@@ -93,6 +93,7 @@ class VllmBackend:
         )
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         engine_settings = {
+            "backend": "vllm",
             "dtype": settings.dtype,
             "enforce_eager": settings.enforce_eager,
             "logprobs_mode": "processed_logprobs",

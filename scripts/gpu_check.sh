@@ -114,7 +114,7 @@ wait_healthy() {  # address pid name timeout_s
 
 echo "== rollout service on ${ROLLOUT_GPUS:-cpu} (vLLM, $DTYPE, KV cache $KV GiB), port $RPORT"
 CUDA_VISIBLE_DEVICES=$ROLLOUT_GPUS setsid "$PY" -m rollout_service --model "$WORK/model" --port "$RPORT" \
-  --dtype "$DTYPE" --kv-cache-gib "$KV" --max-model-len "$MAXLEN" --allowed-roots "$WORK" \
+  --backend vllm --dtype "$DTYPE" --kv-cache-gib "$KV" --max-model-len "$MAXLEN" --allowed-roots "$WORK" \
   >"$WORK/rollout.log" 2>&1 &
 PIDS+=($!); RPID=$!
 # one GPU: vLLM refuses to start unless 0.9 of the GPU is free (gpu_memory_utilization), so the trainer waits

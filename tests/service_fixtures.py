@@ -293,6 +293,7 @@ def start_rollout_service(
     of its group (its engine) behind, or the exit raises AssertionError.
     """
     settings.setdefault("allowed_roots", tempfile.gettempdir())  # where the tests keep their checkpoints
+    settings.setdefault("backend", "vllm")  # vLLM unless a test asks for the torch backend (auto picks it for tiny)
     cmd = [sys.executable, "-m", "rollout_service", "--model", str(model_dir), "--port", "0", *_flags(settings)]
     env = {**os.environ, **(extra_env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")

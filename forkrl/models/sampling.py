@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # heavy imports stay out of module import (the tiny builder's
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["sample_completions", "sample_tokens", "trim_at_eos"]
+__all__ = ["RowSample", "sample_completions", "sample_rows", "sample_tokens", "trim_at_eos"]
 
 
 def trim_at_eos(tokens: Sequence[int], eos_ids: Iterable[int]) -> tuple[list[int], bool]:
@@ -156,3 +156,148 @@ def sample_completions(
     for i, (tokens, finished) in zip(rows, sampled, strict=True):
         out[i].append(tokenizer.decode(tokens[:-1] if finished else tokens, skip_special_tokens=True))
     return out
+
+
+class RowSample:
+    """One row's result from `sample_rows`: its new tokens (an EOS kept), their logprobs and why it ended."""
+
+    __slots__ = ("finish", "logprobs", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish = ""  # "stop" (an EOS, or `on_token` said so), "length" or "abort"
+
+
+def sample_rows(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: Sequence[int],
+    generators: Sequence[torch.Generator],
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    eos_ids: Iterable[int],
+    pad_id: int,
+    between_steps: Callable[[], None] | None = None,
+    on_token: Callable[[int, RowSample], bool] | None = None,
+    on_done: Callable[[int, RowSample], None] | None = None,
+    aborted: Callable[[int], bool] | None = None,
+) -> list[RowSample]:
+    """Rows of any prompt lengths in one batch (left-padded, masked, positions counted from each row's first
+    token), each with its own length limit and its own `torch.Generator`, and the logprob of every sampled
+    token under the distribution it was drawn from: log_softmax(z / T) (log_softmax(z) for greedy, T = 0),
+    renormalized over the nucleus when top_p < 1 — what vLLM's `logprobs_mode="processed_logprobs"` reports.
+
+    A draw is argmax(p / q) with q ~ Exp(1) from the row's generator (the exponential race: a sample of p),
+    so a row's tokens depend on its prompt, its generator and the weights, not on the rows beside it.
+    `between_steps` runs before every forward pass (a weight reload may take place there); `on_token(r, row)`
+    after row r got a token returns True to end the row ("stop", e.g. a stop string); `on_done(r, row)` runs
+    once per row as it ends; `aborted(r)` is asked before each step (True: the row ends "abort")."""
+    import torch
+
+    n = len(prompts)
+    if not (n == len(max_new_tokens) == len(generators)):
+        raise ValueError("prompts, max_new_tokens and generators need one entry per row")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
+    rows = [RowSample() for _ in range(n)]
+    if n == 0:
+        return rows
+    device = next(model.parameters()).device
+    eos = {int(e) for e in eos_ids}
+    # rows of one prompt share its prefill: each distinct prompt is run once, then its KV cache is copied per row
+    distinct: dict[tuple[int, ...], int] = {}
+    source = [distinct.setdefault(tuple(int(t) for t in p), len(distinct)) for p in prompts]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(distinct), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(distinct), width), dtype=torch.long)
+    for u, p in enumerate(distinct):
+        ids[u, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[u, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    expand = torch.tensor(source, dtype=torch.long, device=device) if len(distinct) < n else None
+    limit = list(max_new_tokens)
+    live = [True] * n
+
+    def end(r: int, why: str) -> None:
+        live[r] = False
+        rows[r].finish = why
+        if on_done is not None:
+            on_done(r, rows[r])
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            cache = None
+            step_ids, step_pos = ids, positions
+            for step in range(max(limit)):
+                if aborted is not None:
+                    for r in range(n):
+                        if live[r] and aborted(r):
+                            end(r, "abort")
+                if not any(live):
+                    break
+                if between_steps is not None:
+                    between_steps()
+                out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1)
+                cache = out.past_key_values
+                z = out.logits[:, -1]
+                if expand is not None:  # after the prefill of the distinct prompts: one row per sample
+                    cache.reorder_cache(expand)
+                    z, mask, step_pos = z[expand], mask[expand], step_pos[expand]
+                    expand = None
+                z = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32)
+                if temperature == 0:
+                    logp = torch.log_softmax(z, -1)
+                    tok = z.argmax(-1)
+                else:
+                    logp = torch.log_softmax(z / temperature, -1)
+                    if top_p < 1:
+                        logp = _nucleus(logp, top_p)
+                    q = torch.empty_like(logp)
+                    for r in range(n):
+                        if live[r]:
+                            q[r].exponential_(generator=generators[r])
+                        else:
+                            q[r] = 1.0
+                    tok = (logp.exp() / q).argmax(-1)
+                tok_lp = logp.gather(-1, tok[:, None])[:, 0]
+                toks, lps = tok.tolist(), tok_lp.tolist()
+                for r in range(n):
+                    if not live[r]:
+                        toks[r] = pad_id
+                        continue
+                    row = rows[r]
+                    row.tokens.append(toks[r])
+                    row.logprobs.append(lps[r])
+                    if toks[r] in eos or (on_token is not None and on_token(r, row)):
+                        end(r, "stop")
+                    elif len(row.tokens) >= limit[r]:
+                        end(r, "length")
+                if not any(live):
+                    break
+                step_ids = torch.tensor(toks, dtype=torch.long, device=device)[:, None]
+                step_pos = step_pos[:, -1:] + 1
+                mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
+    finally:
+        model.train(was_training)
+    return rows
+
+
+def _nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """log-probabilities renormalized over the smallest set of top tokens whose mass reaches top_p (-inf
+    elsewhere): vLLM's top-p."""
+    import torch
+
+    sorted_lp, order = logp.sort(-1, descending=True)
+    before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # mass of the tokens ranked above each one
+    drop = before >= top_p
+    sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
+    kept = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_lp)
+    return torch.log_softmax(kept, -1)
