@@ -6,8 +6,9 @@
     python bench/bench_peers.py --smoke                           # 2 steps, 32 eval prompts (tests/unit)
 
 Needs the optional extra `bench` (pip install -e ".[bench]": TRL and accelerate). Arms (`--arms`):
-  sync    forkrl through its services (vLLM rollout behind gRPC + trainer service, as compose.yaml starts them),
-          generate -> train -> push, the services' defaults otherwise
+  sync    forkrl through its services (the rollout service behind gRPC + the trainer service, as compose.yaml
+          starts them), generate -> train -> push, the services' defaults otherwise: the rollout's --backend auto
+          generates with the torch backend at size tiny and with vLLM at 0.5b (--rollout-backend sets it)
   async   the same with --max-staleness 1 (the next batch is sampled while the trainer trains)
   trl     TRL's GRPOTrainer in this process (HF generate), torch threads = --trl-threads (bench/peers_trl.py
           lists every setting that is not TRL's default and why)
@@ -25,7 +26,8 @@ One evaluator scores every arm's final model and the initial one (`evaluate_mode
 Printed per size: per run and per arm (mean ± sd over seeds) s/step with generation / training / push (means
 over the steps after --warmup-steps; in the async arm generation overlaps training, so the parts do not add up;
 TRL has no push), the ratio forkrl/TRL and the issue-28 goals (sync <= 1.0x TRL, async <= 0.6x) as met/missed,
-eval before/after and the gain. JSON of every run in --out.
+for a missed goal what bounds it (from the measured parts), eval before/after and the gain. JSON of every run
+in --out.
 
 --device cuda: the services use the GPU (their device auto), TRL generates with vLLM (use_vllm, colocate
 mode), the evaluator runs on the GPU: both sides with vLLM generation. That code path is present but has not
@@ -78,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1, help="TRL's torch threads (default: "
                    "every core; the sync forkrl loop's phases take turns the same way)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--rollout-backend", choices=("auto", "vllm", "torch"), default="auto",
+                   help="the rollout service's --backend for the forkrl arms (default auto: its own rule)")
     p.add_argument("--smoke", action="store_true",
                    help="2 steps per run (also at 0.5b, whose shape shrinks to 8 x 2 x 8), 32 eval prompts")
     p.add_argument("--data-dir", type=Path, default=REPO_ROOT / "runs" / "bench-peers")
@@ -168,7 +172,12 @@ def run_forkrl(stub, stack, args: argparse.Namespace, size: str, model: Path, ar
     steps = {"step_s": [m["time_step_s"] for m in train],
              "generate_s": [m["time_generate_s"] + m.get("time_score_s", 0.0) for m in train],
              "train_s": [m["time_train_s"] for m in train], "push_s": [m["time_push_s"] for m in train]}
-    return {"steps": steps, "wall_s": time.monotonic() - t0, "final": str(run_dir / "checkpoints" / "final")}
+    from forkrl.remote.rollout import RolloutClient
+
+    with RolloutClient(stack.addresses["rollout"], token=stack.token, timeout_s=60) as c:
+        backend = c.info().engine.backend
+    return {"steps": steps, "wall_s": time.monotonic() - t0, "final": str(run_dir / "checkpoints" / "final"),
+            "backend": backend}
 
 
 def run_one(stub, stack, args: argparse.Namespace, size: str, model: Path, arm: str, seed: int) -> dict:  # noqa: ANN001
@@ -189,7 +198,8 @@ def run_one(stub, stack, args: argparse.Namespace, size: str, model: Path, arm: 
         run["eval_after"] = evaluate_model(Path(run["final"]), args.eval_prompts, max_new_tokens=shape["tokens"],
                                            device=args.device)
     m = run["means"]
-    print(f"  {size} {LABELS[arm]} seed {seed}: {m['step_s']:.3f} s/step (generation {m['generate_s']:.3f}, "
+    backend = f" [rollout backend {run['backend']}]" if run.get("backend") else ""
+    print(f"  {size} {LABELS[arm]}{backend} seed {seed}: {m['step_s']:.3f} s/step (generation {m['generate_s']:.3f}, "
           f"training {m['train_s']:.3f}, push {m['push_s']:.3f})"
           + (f", eval T=1 after {run['eval_after']['t1']:.3f}" if "eval_after" in run else ""), flush=True)
     return run
@@ -232,6 +242,8 @@ def report(results: list[dict], base_eval: dict[str, dict]) -> list[str]:
                     ratio = per_arm[arm] / per_arm["trl"]
                     lines.append(f"ratio of mean s/step {LABELS[arm]} / TRL: {ratio:.2f}  (goal <= {goal:.1f}: "
                                  f"{'met' if ratio <= goal else 'missed'})")
+                    if ratio > goal:
+                        lines.append("  what bounds it: " + bound(arm, goal, rs, per_arm["trl"]))
             if gains.get("trl") and len(gains["trl"]) > 1:
                 for arm in (a for a in GOALS if a in gains):
                     spread = max(_sd(gains[arm]), _sd(gains["trl"]))
@@ -240,6 +252,26 @@ def report(results: list[dict], base_eval: dict[str, dict]) -> list[str]:
                                  f"(larger sd) {spread:.3f}  (goal |difference| <= spread: "
                                  f"{'met' if abs(diff) <= spread else 'missed'})")
     return lines
+
+
+def bound(arm: str, goal: float, runs: list[dict], trl_step: float) -> str:
+    """Why an arm missed its goal, from the measured parts (means over the size's runs)."""
+    def part(a: str, k: str) -> float:
+        return _mean([r["means"][k] for r in runs if r["arm"] == a])
+
+    gen, train, push = part(arm, "generate_s"), part(arm, "train_s"), part(arm, "push_s")
+    if arm == "async" and train > goal * trl_step:
+        # a step can end no sooner than its update, which here runs on the cores left by the overlapping sampler
+        return (f"the trainer's update alone takes {train:.3f} s/step in this arm = {train / trl_step:.2f}x TRL's "
+                f"whole step (goal {goal:.1f}x): the update runs on the cores generation leaves it; a step cannot be "
+                f"shorter than its update, so the goal needs more cores or a faster update")
+    if arm == "async":
+        return (f"generation {gen:.3f} and training {train:.3f} s/step overlap on the same cores (push {push:.3f}); "
+                f"the step is {part(arm, 'step_s'):.3f}")
+    if "trl" not in {r["arm"] for r in runs}:
+        return f"generation {gen:.3f} + training {train:.3f} + push {push:.3f}"
+    return (f"generation {gen:.3f} vs TRL's {part('trl', 'generate_s'):.3f}, training {train:.3f} vs TRL's "
+            f"{part('trl', 'train_s'):.3f}, push {push:.3f} (TRL has none: it generates with the policy itself)")
 
 
 def _sd(xs: list[float]) -> float:
@@ -311,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             # stop (each side holds a 0.5B model with its gradients and AdamW state)
             later = [] if size == "tiny" or not forkrl_arms else [a for a in args.arms if a == "trl"]
             with Stack(data_dir=args.data_dir, services=["rollout", "trainer"] if forkrl_arms else ["model"],
-                       compose_files=compose, echo=False, env=free_ports()) as stack:
+                       compose_files=compose, echo=False,
+                       env=free_ports() | {"ROLLOUT_BACKEND": args.rollout_backend}) as stack:
                 stub = (trainer_pb2_grpc.TrainerServiceStub(grpc_channel(stack.addresses["trainer"],
                                                                          token=stack.token))
                         if forkrl_arms else None)

@@ -41,12 +41,21 @@ def test_report_ratios_goals_and_learning_verdicts():
     text = "\n".join(bench_peers.report(results, {"tiny": {"t1": 0.2, "greedy": 0.2}}))
     assert "forkrl sync / TRL: 0.50  (goal <= 1.0: met)" in text
     assert "forkrl async k=1 / TRL: 0.75  (goal <= 0.6: missed)" in text
+    # a missed goal says what bounds it, from the measured parts (generation 1.5 / 2, training 1.5 / 4, push 1.5 / 8);
+    # a met goal says nothing more
+    assert ("what bounds it: generation 0.750 and training 0.375 s/step overlap on the same cores (push 0.188); "
+            "the step is 1.500") in text
+    assert text.count("what bounds it") == 1
     for label in bench_peers.LABELS.values():
         assert label in text
     # gains over 0.2: sync (0.1, 0.2) == TRL (0.1, 0.2): difference 0; async (0.1, 0.7): mean 0.4 - 0.15 = +0.25,
     # within the larger sd, that of (0.1, 0.7) = sqrt(2 * 0.3^2) = 0.424
     assert "forkrl sync - TRL: gain difference +0.000" in text
     assert "forkrl async k=1 - TRL: gain difference +0.250, the seeds' spread (larger sd) 0.424" in text
+    # an update longer than the goal allows bounds the step by itself: async 4.0 s/step, update 1.0 > 0.6 x 1.5
+    slow = [_run("async", 0, 4.0, 0.3), _run("trl", 0, 1.5, 0.3)]
+    text = "\n".join(bench_peers.report(slow, {"tiny": {"t1": 0.2, "greedy": 0.2}}))
+    assert "what bounds it: the trainer's update alone takes 1.000 s/step in this arm = 0.67x TRL's whole step" in text
 
 
 def test_smoke_forces_two_steps_and_a_small_eval(tmp_path: Path):
