@@ -186,22 +186,33 @@ class TorchBackend:
                     return True
             return False
 
+        ended: list[tuple[asyncio.Future[Completion], Completion]] = []
+
         def on_done(i: int, row: RowSample) -> None:
             text = texts.get(i)
             if text is None:
                 text = self._tokenizer.decode(row.tokens, skip_special_tokens=True)
-            done = Completion(list(row.tokens), text, list(row.logprobs), row.finish)
-            fut = batch[i].future
-            self._loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(done))
+            ended.append((batch[i].future, Completion(list(row.tokens), text, list(row.logprobs), row.finish)))
+
+        def hand_back() -> None:  # the samples that ended in the last step, in one call into the event loop
+            if ended:
+                done = ended[:]
+                ended.clear()
+                self._loop.call_soon_threadsafe(_resolve, done)
+
+        def boundary() -> None:
+            hand_back()
+            self._step_boundary()
 
         try:
             sample_rows(
                 self._model, [r.prompt for r in batch], [r.spec.max_new_tokens for r in batch], gens,
                 temperature=spec.temperature, top_p=1.0 if spec.top_p is None else spec.top_p,
-                eos_ids=self._eos, pad_id=self._pad, between_steps=self._step_boundary,
+                eos_ids=self._eos, pad_id=self._pad, between_steps=boundary,
                 on_token=on_token if stops else None, on_done=on_done,
                 aborted=lambda i: batch[i].rid in self._aborted,
             )
+            hand_back()
         finally:
             with self._cond:
                 self._in_step = False
@@ -295,3 +306,9 @@ class TorchBackend:
     def shutdown(self) -> None:
         self._batcher.cancel()
         self._aborted.update(self._running)
+
+
+def _resolve(done: list[tuple[asyncio.Future[Completion], Completion]]) -> None:
+    for fut, completion in done:
+        if not fut.done():
+            fut.set_result(completion)

@@ -232,7 +232,7 @@ def sample_rows(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.inference_mode():  # nothing here is ever differentiated (the cache and tensors die with the call)
             cache = None
             step_ids, step_pos = ids, positions
             for step in range(max(limit)):
