@@ -101,7 +101,10 @@ class TorchBackend:
             dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
                      "float16": torch.float16}[settings.dtype]
             tok = AutoTokenizer.from_pretrained(settings.model, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype, local_files_only=True)
+            # sdpa keeps the attention rows of left padding finite (eager attention can turn them into NaN that
+            # leaks into real rows; forkrl/models/sampling.py refuses to hand on non-finite logprobs)
+            model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype, local_files_only=True,
+                                                         attn_implementation="sdpa")
             model.eval().requires_grad_(False)
             limit = settings.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or 2048)
             return model, tok, int(limit)

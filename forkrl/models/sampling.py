@@ -1,5 +1,6 @@
-"""The one KV-cache sampler of forkrl's own (non-vLLM) generation: the tiny builder's evaluations and the
-probe's responses both go through `sample_tokens`.
+"""forkrl's own (non-vLLM) KV-cache samplers: `sample_tokens` (the tiny builder's evaluations and the probe's
+responses) and `sample_rows` (the rollout service's torch backend: rows of any prompt length in one left-padded
+batch, one generator per row, the logprob of every sampled token; its docstring says the rest).
 
     rows = sample_tokens(model, [[1, 5, 6], [1, 7]], temperature=1.0, max_new_tokens=16, eos_ids=[2],
                          pad_id=0, seed=0)
@@ -268,6 +269,13 @@ def sample_rows(
                             q[r] = 1.0
                     tok = (logp.exp() / q).argmax(-1)
                 tok_lp = logp.gather(-1, tok[:, None])[:, 0]
+                if not bool(torch.isfinite(tok_lp).all()):
+                    # a fully masked (padding) attention row turned into NaN and leaked: e.g. eager float64
+                    # attention; never hand such samples on
+                    raise RuntimeError(
+                        f"non-finite logits at decode step {step} (attention implementation "
+                        f"{getattr(model.config, '_attn_implementation', '?')!r}, dtype {z.dtype}): left-padded "
+                        "batches need an attention that keeps padding rows finite, as sdpa does")
                 toks, lps = tok.tolist(), tok_lp.tolist()
                 for r in range(n):
                     if not live[r]:

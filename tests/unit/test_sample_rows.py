@@ -5,6 +5,7 @@ length limits, stop and abort end rows as the rollout contract says."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ def test_logprobs_equal_a_teacher_forced_forward_of_each_row_alone(models, tempe
     worst = 0.0
     with torch.no_grad():
         for (prompt, tokens), row in zip(seqs, rows, strict=True):
-            assert len(row.logprobs) == len(tokens) >= 1
+            assert len(row.logprobs) == len(tokens) >= 1 and all(math.isfinite(x) for x in row.logprobs)
             logits = m64(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
             ref = torch.log_softmax(logits / (temperature or 1.0), -1)
             exact = ref.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
@@ -114,3 +115,16 @@ def test_top_p_logprobs_are_renormalized_over_the_nucleus(models) -> None:
             picked = nucleus.gather(-1, torch.tensor(row.tokens)[:, None])[:, 0]
             assert torch.isfinite(picked).all()  # never a token outside the nucleus
             assert picked.tolist() == pytest.approx(row.logprobs, abs=1e-4)
+
+
+def test_a_padding_row_gone_non_finite_is_an_error_not_a_sample(tiny_model_dir: Path) -> None:
+    """Eager float64 attention turns the fully masked attention rows of left padding into NaN, which leaks into the
+    real rows: the sampler raises instead of handing on NaN logprobs (the torch backend loads models with sdpa)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64, attn_implementation="eager")
+    ids = [tok.encode(p) for p in PROMPTS]  # of different lengths: padded
+    with pytest.raises(RuntimeError, match="non-finite logits at decode step"):
+        sample_rows(model, ids, [16] * len(ids), [torch.Generator().manual_seed(r) for r in range(len(ids))],
+                    temperature=1.0, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
