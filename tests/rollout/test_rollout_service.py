@@ -1,9 +1,9 @@
 """The rollout service end to end: `python -m rollout_service` over real gRPC, once with the real vLLM engine and
 once with the torch backend (`--backend torch`, what `auto` picks for small models on a CPU): the same contract.
 
-One service per module and backend (vLLM's engine start ~15 s). The model is the embedded tiny model when `forkrl.models.tiny`
-exists, else (or with FORKRL_TEST_RANDOM_MODEL=1) a random Llama built here: any local HF checkpoint
-directory must work. References are transformers forward passes with teacher forcing: float64 for the
+One service per module and backend (vLLM's engine start ~15 s). The model is the embedded tiny model when
+`forkrl.models.tiny` exists, else (or with FORKRL_TEST_RANDOM_MODEL=1) a random Llama built here: any local HF
+checkpoint directory must work. References are transformers forward passes with teacher forcing: float64 for the
 exact values, float32 for the size of float32 rounding (tests/numerics.py).
 
 Order independence: versions and counters are compared before/after inside each test, and every test
