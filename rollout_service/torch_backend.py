@@ -125,7 +125,7 @@ class TorchBackend:
         try:
             return await asyncio.shield(req.future)
         except asyncio.CancelledError:
-            self._aborted.add(request_id)
+            await self.abort([request_id])
             raise
 
     async def _serve_batches(self) -> None:
@@ -140,9 +140,6 @@ class TorchBackend:
                 batch = batch[: self.max_num_seqs]
                 taken = {id(r) for r in batch}
                 self._queue = [r for r in self._queue if id(r) not in taken]
-                batch = [r for r in batch if not self._drop_if_aborted(r)]
-                if not batch:
-                    continue
                 for r in batch:
                     self._running[r.rid] = r
                 try:
@@ -156,14 +153,6 @@ class TorchBackend:
                     for r in batch:
                         self._running.pop(r.rid, None)
                         self._aborted.discard(r.rid)
-
-    def _drop_if_aborted(self, r: _Request) -> bool:
-        if r.rid in self._aborted:
-            self._aborted.discard(r.rid)
-            if not r.future.done():
-                r.future.set_result(Completion([], "", [], "abort"))
-            return True
-        return False
 
     def _decode(self, batch: list[_Request]) -> None:
         """Worker thread: one batch to its end, each sample handed back as it ends."""
@@ -231,10 +220,14 @@ class TorchBackend:
             self._in_step = True
 
     async def abort(self, request_ids: list[str]) -> None:
-        self._aborted.update(request_ids)
-        for r in [r for r in self._queue if r.rid in self._aborted]:
+        """Queued samples end "abort" at once, running ones at the next decode step; finished ones are left alone
+        (only ids still queued or running are remembered, so the set never outgrows what is in flight)."""
+        ids = set(request_ids)
+        self._aborted.update(ids & self._running.keys())
+        for r in [r for r in self._queue if r.rid in ids]:
             self._queue.remove(r)
-            self._drop_if_aborted(r)
+            if not r.future.done():
+                r.future.set_result(Completion([], "", [], "abort"))
 
     # --------------------------------------------------------------------------------------- weights
     def _pause(self) -> None:
