@@ -228,19 +228,21 @@ def hidden_logprobs_and_entropy(
     return logp, (ent if with_entropy else None)
 
 
-def final_hidden_states(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def final_hidden_states(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, **kwargs: object) -> Tensor:
     """The HF causal LM's last hidden states [B, L, h] (after its final norm), from the model's own forward with the
     lm_head applied to no position (`logits_to_keep` = an empty index), so wrappers of the whole model (FSDP2's
-    root hooks) run as for any forward. Read from the decoder's output with a forward hook."""
+    root hooks) run as for any forward. Read from the decoder's output with a forward hook. `kwargs` go to the
+    forward (default `use_cache=False`; forkrl/rl/prefix.py passes position ids and a KV cache)."""
     box: list[Tensor] = []
+    kwargs.setdefault("use_cache", False)
 
     def keep(_module: torch.nn.Module, _args: object, out: object) -> None:
         box.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)  # type: ignore[attr-defined]
 
     handle = model.get_decoder().register_forward_hook(keep)  # type: ignore[operator]
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-              logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device))
+        model(input_ids=input_ids, attention_mask=attention_mask,
+              logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device), **kwargs)
     finally:
         handle.remove()
     if len(box) != 1:
@@ -256,8 +258,11 @@ def causal_lm_logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = True,
+    share_prefix: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """logp and entropy of the target tokens marked by response_mask, from the model's final hidden states (§1.2).
+    share_prefix: compute each distinct prompt once (forkrl/rl/prefix.py; the same numbers up to float rounding),
+    where the batch repeats prompts; otherwise the plain forward.
 
     Args:
         model: an HF causal LM (its `get_decoder()` output and `get_output_embeddings().weight`).
@@ -272,9 +277,15 @@ def causal_lm_logprobs_and_entropy(
     if input_ids.dim() != 2 or tuple(response_mask.shape) != (input_ids.shape[0], input_ids.shape[1] - 1):
         raise ValueError(f"response_mask must be [B, L-1] for input_ids [B, L]; got {tuple(response_mask.shape)} "
                          f"and {tuple(input_ids.shape)}")
-    hidden = final_hidden_states(model, input_ids, attention_mask)
-    rows = hidden[:, :-1][response_mask]  # [n, h]: a copy of the scored rows only
-    del hidden
+    rows = None
+    if share_prefix:
+        from forkrl.rl.prefix import shared_prefix_rows  # it builds on final_hidden_states above
+
+        rows = shared_prefix_rows(model, input_ids, attention_mask, response_mask)
+    if rows is None:
+        hidden = final_hidden_states(model, input_ids, attention_mask)
+        rows = hidden[:, :-1][response_mask]  # [n, h]: a copy of the scored rows only
+        del hidden
     weight = model.get_output_embeddings().weight  # type: ignore[operator]
     lp, ent = hidden_logprobs_and_entropy(rows, weight, input_ids[:, 1:][response_mask], temperature, chunk_size,
                                           with_entropy)

@@ -1,0 +1,88 @@
+"""The train step's forward with each distinct prompt computed once (pure torch, no I/O).
+
+A GRPO batch holds G samples of every prompt, so a plain forward over its rows computes each prompt's tokens G
+times. Here the forward runs in two passes of the model's own forward:
+
+1. the distinct prompts of the micro-batch, right-padded, with a KV cache: their keys and values, and the final
+   hidden state of each prompt's last token (the one that scores the first completion token);
+2. the completions (all but their last token, whose output scores nothing), one row per sample, attending to
+   their prompt's keys and values: the cache is expanded row by row (`index_select`, so the backward sums each
+   row's gradient into its prompt's) with explicit position ids and an attention mask that hides the prompt's
+   padding.
+
+The scored rows come back in the order of `hidden[:, :-1][response_mask]` of the plain forward and equal it up to
+float rounding (the same math on other matmul shapes; tests/unit/test_prefix.py checks logp, entropy and every
+gradient against the plain path in float64). The work saved is (G - 1) x the prompt tokens of each group.
+
+`shared_prefix_rows` returns None, and the caller runs the plain forward, when nothing repeats (no saving) or the
+batch is not in build_batch's layout (forkrl/rl/batch.py: prompt then completion, right-padded). The train step
+uses it on one process and on replicated ranks; not under FSDP2 (a second forward before the backward would
+all-gather every layer twice) nor with activation checkpointing (HF's checkpointing turns the KV cache off).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from forkrl.rl.entropy import final_hidden_states
+
+__all__ = ["shared_prefix_rows"]
+
+
+def shared_prefix_rows(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                       response_mask: Tensor) -> Tensor | None:
+    """The final hidden states [n, h] of the scored positions (n = response_mask.sum()), in row-major order, each
+    distinct prompt computed once (module docstring); None when that saves nothing or the layout is not
+    build_batch's."""
+    from transformers import DynamicCache  # the trainer's dependency; kept out of the import of forkrl.rl
+
+    device = input_ids.device
+    counts = response_mask.sum(dim=1)
+    rows = counts.nonzero().squeeze(1)
+    if rows.numel() < 2:
+        return None
+    first = response_mask[rows].int().argmax(dim=1)
+    plen, clen = first + 1, counts[rows]
+    # build_batch's layout: attention over exactly [0, P + C), the targets P-1 .. P+C-2 all scored
+    width = input_ids.shape[1]
+    pos = torch.arange(width, device=device)
+    want_att = pos.unsqueeze(0) < (plen + clen).unsqueeze(1)
+    want_resp = (pos[:-1].unsqueeze(0) >= first.unsqueeze(1)) & (pos[:-1].unsqueeze(0) < (first + clen).unsqueeze(1))
+    if not (torch.equal(attention_mask[rows].bool(), want_att) and torch.equal(response_mask[rows], want_resp)):
+        return None
+    plist, ids = plen.tolist(), input_ids[rows].tolist()
+    index: dict[tuple[int, ...], int] = {}
+    inv = [index.setdefault(tuple(r[:p]), len(index)) for r, p in zip(ids, plist, strict=True)]
+    if len(index) == len(plist):
+        return None
+    prompts = list(index)
+    u, pmax = len(prompts), max(plist)
+    pre_ids = torch.zeros((u, pmax), dtype=input_ids.dtype, device=device)
+    pre_att = torch.zeros((u, pmax), dtype=attention_mask.dtype, device=device)
+    for k, pr in enumerate(prompts):
+        pre_ids[k, : len(pr)] = torch.tensor(pr, dtype=input_ids.dtype, device=device)
+        pre_att[k, : len(pr)] = 1
+    uplen = torch.tensor([len(pr) for pr in prompts], device=device)
+    cache = DynamicCache(config=getattr(model, "config", None))
+    h_pre = final_hidden_states(model, pre_ids, pre_att, past_key_values=cache, use_cache=True,
+                                position_ids=torch.arange(pmax, device=device).expand(u, -1))
+    inv_t = torch.tensor(inv, device=device)
+    h_first = h_pre[torch.arange(u, device=device), uplen - 1][inv_t]  # [R, h]: scores each completion's token 0
+    w = int(clen.max()) - 1
+    if w == 0:
+        return h_first
+    # completions without their last token, right-padded to w; position ids continue each row's prompt
+    tok = torch.zeros((len(plist), w), dtype=input_ids.dtype, device=device)
+    src = input_ids[rows]
+    j = torch.arange(w, device=device)
+    valid = j.unsqueeze(0) < (clen - 1).unsqueeze(1)
+    gather_at = (plen.unsqueeze(1) + j.unsqueeze(0)).clamp(max=width - 1)
+    tok = torch.where(valid, src.gather(1, gather_at), tok)
+    att = torch.cat([pre_att[inv_t], valid.to(attention_mask.dtype)], dim=1)
+    cache.reorder_cache(inv_t)  # every layer's keys and values: one row per sample (differentiable)
+    h_resp = final_hidden_states(model, tok, att, past_key_values=cache, use_cache=True,
+                                 position_ids=plen.unsqueeze(1) + j.unsqueeze(0))
+    full = torch.cat([h_first.unsqueeze(1), h_resp], dim=1)  # [R, w + 1, h]: target k of each row at column k
+    keep = torch.arange(w + 1, device=device).unsqueeze(0) < clen.unsqueeze(1)
+    return full[keep]
