@@ -30,8 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["causal_lm_logprobs_and_entropy", "final_hidden_states", "hidden_logprobs_and_entropy",
-           "shift_for_causal_lm", "token_logprobs_and_entropy"]
+from forkrl.rl.forward import final_hidden_states, shared_prefix_rows
+
+__all__ = ["causal_lm_logprobs_and_entropy", "hidden_logprobs_and_entropy", "shift_for_causal_lm",
+           "token_logprobs_and_entropy"]
 
 
 def _check_args(logits: Tensor, targets: Tensor, temperature: float, chunk_size: int) -> None:
@@ -228,28 +230,6 @@ def hidden_logprobs_and_entropy(
     return logp, (ent if with_entropy else None)
 
 
-def final_hidden_states(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, **kwargs: object) -> Tensor:
-    """The HF causal LM's last hidden states [B, L, h] (after its final norm), from the model's own forward with the
-    lm_head applied to no position (`logits_to_keep` = an empty index), so wrappers of the whole model (FSDP2's
-    root hooks) run as for any forward. Read from the decoder's output with a forward hook. `kwargs` go to the
-    forward (default `use_cache=False`; forkrl/rl/prefix.py passes position ids and a KV cache)."""
-    box: list[Tensor] = []
-    kwargs.setdefault("use_cache", False)
-
-    def keep(_module: torch.nn.Module, _args: object, out: object) -> None:
-        box.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)  # type: ignore[attr-defined]
-
-    handle = model.get_decoder().register_forward_hook(keep)  # type: ignore[operator]
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask,
-              logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device), **kwargs)
-    finally:
-        handle.remove()
-    if len(box) != 1:
-        raise RuntimeError(f"expected one output of {type(model).__name__}'s decoder per forward, got {len(box)}")
-    return box[0]
-
-
 def causal_lm_logprobs_and_entropy(
     model: torch.nn.Module,
     input_ids: Tensor,
@@ -261,7 +241,7 @@ def causal_lm_logprobs_and_entropy(
     share_prefix: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """logp and entropy of the target tokens marked by response_mask, from the model's final hidden states (§1.2).
-    share_prefix: compute each distinct prompt once (forkrl/rl/prefix.py; the same numbers up to float rounding),
+    share_prefix: compute each distinct prompt once (forkrl/rl/forward.py; the same numbers up to float rounding),
     where the batch repeats prompts; otherwise the plain forward.
 
     Args:
@@ -279,8 +259,6 @@ def causal_lm_logprobs_and_entropy(
                          f"and {tuple(input_ids.shape)}")
     rows = None
     if share_prefix:
-        from forkrl.rl.prefix import shared_prefix_rows  # it builds on final_hidden_states above
-
         rows = shared_prefix_rows(model, input_ids, attention_mask, response_mask)
     if rows is None:
         hidden = final_hidden_states(model, input_ids, attention_mask)

@@ -98,7 +98,7 @@ class _Stop(Exception):
 def _forward(model: torch.nn.Module, mb: Batch, temperature: float, with_entropy: bool,
              response_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """logp and entropy [b, L-1] of the response tokens, from the final hidden states in chunks (forkrl/rl/entropy.py:
-    the logits of the micro-batch never exist as a whole), each distinct prompt computed once (forkrl/rl/prefix.py)
+    the logits of the micro-batch never exist as a whole), each distinct prompt computed once (forkrl/rl/forward.py)
     except under FSDP2 or activation checkpointing. `response_mask` overrides the batch's (the join: none)."""
     share = not is_fsdp(model) and not getattr(model, "is_gradient_checkpointing", False)
     out = causal_lm_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask,

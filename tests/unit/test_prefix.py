@@ -1,4 +1,4 @@
-"""Each distinct prompt computed once (forkrl/rl/prefix.py) changes no number: the scored rows, log-probs, entropies
+"""Each distinct prompt computed once (forkrl/rl/forward.py) changes no number: the scored rows, log-probs, entropies
 and every parameter's gradient against the plain forward, on Llama (untied) and Qwen2 (tied, attention bias), with
 prompts of different lengths, completions of one token and empty ones; and a whole train step (the recipe's
 mechanics) with and without it.
@@ -21,11 +21,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import forkrl.rl.prefix as prefix_module
+import forkrl.rl.entropy as entropy_module
 from forkrl.rl.batch import Batch, build_batch
-from forkrl.rl.entropy import causal_lm_logprobs_and_entropy, final_hidden_states
+from forkrl.rl.entropy import causal_lm_logprobs_and_entropy
+from forkrl.rl.forward import final_hidden_states, shared_prefix_rows
 from forkrl.rl.losses import LossConfig
-from forkrl.rl.prefix import shared_prefix_rows
 from forkrl.rl.step import train_step
 from forkrl.training.distributed import enable_activation_checkpointing
 
@@ -103,13 +103,14 @@ def test_a_lost_path_through_the_prompts_keys_and_values_is_caught(monkeypatch: 
     _, _, g0 = _logp_ent_grads(model, b, share=False)
     from transformers import DynamicCache
 
-    class Detached(DynamicCache):
-        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-            for layer in self.layers:
-                layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
-            super().reorder_cache(beam_idx)
+    real = DynamicCache.reorder_cache
 
-    monkeypatch.setattr("transformers.DynamicCache", Detached)
+    def detached(self: DynamicCache, beam_idx: torch.LongTensor) -> None:
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
+        real(self, beam_idx)
+
+    monkeypatch.setattr(DynamicCache, "reorder_cache", detached)
     _, _, g1 = _logp_ent_grads(model, b, share=True)
     with pytest.raises(AssertionError):
         _assert_grads_close(g0, g1)
@@ -145,18 +146,18 @@ def test_a_whole_train_step_shares_the_prompts_and_lands_where_the_plain_one_doe
         monkeypatch: pytest.MonkeyPatch) -> None:
     model, (b, adv) = _model("llama"), _grouped(4, 4, seed=3)
     shared: list[bool] = []
-    real = prefix_module.shared_prefix_rows
+    real = entropy_module.shared_prefix_rows
 
     def spy(*args: object) -> torch.Tensor | None:
         out = real(*args)  # type: ignore[arg-type]
         shared.append(out is not None)
         return out
 
-    monkeypatch.setattr(prefix_module, "shared_prefix_rows", spy)
+    monkeypatch.setattr(entropy_module, "shared_prefix_rows", spy)
     new_model, new_m, new_kept = _step(model, b, adv)
     # every forward of the step (the pi_old pass and each update's) shared its micro-batch's prompts
     assert shared and all(shared)
-    monkeypatch.setattr(prefix_module, "shared_prefix_rows", lambda *a: None)
+    monkeypatch.setattr(entropy_module, "shared_prefix_rows", lambda *a: None)
     old_model, old_m, old_kept = _step(model, b, adv)
     u = int(old_m["n_updates"])
     assert u == 4 and old_m["skipped_updates"] == 0
@@ -178,6 +179,6 @@ def test_activation_checkpointing_keeps_the_plain_forward(monkeypatch: pytest.Mo
     model, (b, adv) = _model("llama"), _grouped(2, 4)
     enable_activation_checkpointing(model)
     calls: list[int] = []
-    monkeypatch.setattr(prefix_module, "shared_prefix_rows", lambda *a: calls.append(1))
+    monkeypatch.setattr(entropy_module, "shared_prefix_rows", lambda *a: calls.append(1))
     _step(model, b, adv)
     assert calls == []

@@ -1,4 +1,8 @@
-"""The train step's forward with each distinct prompt computed once (pure torch, no I/O).
+"""The decoder's forward for the train step: the final hidden states of an HF causal LM (pure torch, no I/O),
+plain (`final_hidden_states`) or with each distinct prompt computed once (`shared_prefix_rows`).
+
+`final_hidden_states` runs the model's own forward with the lm_head applied to no position, so wrappers of the
+whole model (FSDP2's root hooks) run as for any forward, and reads the decoder's output with a forward hook.
 
 A GRPO batch holds G samples of every prompt, so a plain forward over its rows computes each prompt's tokens G
 times. Here the forward runs in two passes of the model's own forward:
@@ -25,9 +29,34 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from forkrl.rl.entropy import final_hidden_states
+__all__ = ["decoder_forward", "final_hidden_states", "shared_prefix_rows"]
 
-__all__ = ["shared_prefix_rows"]
+
+def final_hidden_states(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The HF causal LM's last hidden states [B, L, h] (after its final norm), from the model's own forward with the
+    lm_head applied to no position (`logits_to_keep` = an empty index), so wrappers of the whole model (FSDP2's
+    root hooks) run as for any forward. Read from the decoder's output with a forward hook."""
+    return decoder_forward(model, input_ids, attention_mask, use_cache=False)[0]
+
+
+def decoder_forward(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                    **kwargs: object) -> tuple[Tensor, object]:
+    """`final_hidden_states` with the forward's other arguments (`kwargs`: use_cache, past_key_values, position_ids)
+    and its output's KV cache (None without use_cache): (hidden [B, L, h], cache)."""
+    box: list[Tensor] = []
+
+    def keep(_module: torch.nn.Module, _args: object, out: object) -> None:
+        box.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)  # type: ignore[attr-defined]
+
+    handle = model.get_decoder().register_forward_hook(keep)  # type: ignore[operator]
+    try:
+        out = model(input_ids=input_ids, attention_mask=attention_mask,
+                    logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device), **kwargs)
+    finally:
+        handle.remove()
+    if len(box) != 1:
+        raise RuntimeError(f"expected one output of {type(model).__name__}'s decoder per forward, got {len(box)}")
+    return box[0], getattr(out, "past_key_values", None)
 
 
 def shared_prefix_rows(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
@@ -35,8 +64,6 @@ def shared_prefix_rows(model: torch.nn.Module, input_ids: Tensor, attention_mask
     """The final hidden states [n, h] of the scored positions (n = response_mask.sum()), in row-major order, each
     distinct prompt computed once (module docstring); None when that saves nothing or the layout is not
     build_batch's."""
-    from transformers import DynamicCache  # the trainer's dependency; kept out of the import of forkrl.rl
-
     device = input_ids.device
     counts = response_mask.sum(dim=1)
     rows = counts.nonzero().squeeze(1)
@@ -64,9 +91,10 @@ def shared_prefix_rows(model: torch.nn.Module, input_ids: Tensor, attention_mask
         pre_ids[k, : len(pr)] = torch.tensor(pr, dtype=input_ids.dtype, device=device)
         pre_att[k, : len(pr)] = 1
     uplen = torch.tensor([len(pr) for pr in prompts], device=device)
-    cache = DynamicCache(config=getattr(model, "config", None))
-    h_pre = final_hidden_states(model, pre_ids, pre_att, past_key_values=cache, use_cache=True,
-                                position_ids=torch.arange(pmax, device=device).expand(u, -1))
+    h_pre, cache = decoder_forward(model, pre_ids, pre_att, use_cache=True,
+                                   position_ids=torch.arange(pmax, device=device).expand(u, -1))
+    if cache is None or not hasattr(cache, "reorder_cache"):
+        return None  # a model without HF's KV cache: the plain forward
     inv_t = torch.tensor(inv, device=device)
     h_first = h_pre[torch.arange(u, device=device), uplen - 1][inv_t]  # [R, h]: scores each completion's token 0
     w = int(clen.max()) - 1
@@ -81,8 +109,8 @@ def shared_prefix_rows(model: torch.nn.Module, input_ids: Tensor, attention_mask
     tok = torch.where(valid, src.gather(1, gather_at), tok)
     att = torch.cat([pre_att[inv_t], valid.to(attention_mask.dtype)], dim=1)
     cache.reorder_cache(inv_t)  # every layer's keys and values: one row per sample (differentiable)
-    h_resp = final_hidden_states(model, tok, att, past_key_values=cache, use_cache=True,
-                                 position_ids=plen.unsqueeze(1) + j.unsqueeze(0))
+    h_resp, _ = decoder_forward(model, tok, att, past_key_values=cache, use_cache=True,
+                                position_ids=plen.unsqueeze(1) + j.unsqueeze(0))
     full = torch.cat([h_first.unsqueeze(1), h_resp], dim=1)  # [R, w + 1, h]: target k of each row at column k
     keep = torch.arange(w + 1, device=device).unsqueeze(0) < clen.unsqueeze(1)
     return full[keep]
