@@ -51,22 +51,22 @@ def build_batch(
                          f"{len(rollout_logprobs)} logprob lists; they must match")
     if not prompt_ids:
         raise ValueError("build_batch needs at least one trajectory")
-    width = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=False))
-    n = len(prompt_ids)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    response = torch.zeros((n, width - 1), dtype=torch.bool)
-    rollout = torch.zeros((n, width - 1), dtype=torch.float32)
     for i, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, rollout_logprobs, strict=False)):
         if not p:
             raise ValueError(f"trajectory {i} has an empty prompt (a causal LM needs a token to condition on)")
         if len(lp) != len(c):
             raise ValueError(f"trajectory {i}: {len(c)} completion tokens but {len(lp)} logprobs")
-        seq = list(p) + list(c)
-        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention[i, : len(seq)] = 1
-        # target index j predicts input_ids[j + 1]: completion token k sits at len(p) + k, target len(p)+k-1
-        response[i, len(p) - 1 : len(p) - 1 + len(c)] = True
-        if c:
-            rollout[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32)
+    plen = torch.tensor([len(p) for p in prompt_ids])
+    clen = torch.tensor([len(c) for c in completion_ids])
+    width = int((plen + clen).max())
+    # one tensor per field from Python lists (a per-row slice assignment costs more than the row's numbers)
+    input_ids = torch.tensor([[*p, *c] + [pad_id] * (width - len(p) - len(c))
+                              for p, c in zip(prompt_ids, completion_ids, strict=True)], dtype=torch.long)
+    attention = (torch.arange(width) < (plen + clen).unsqueeze(1)).long()
+    # target index j predicts input_ids[j + 1]: completion token k sits at len(p) + k, target len(p) + k - 1
+    j = torch.arange(width - 1)
+    response = (j >= (plen - 1).unsqueeze(1)) & (j < (plen - 1 + clen).unsqueeze(1))
+    rollout = torch.zeros((len(prompt_ids), width - 1), dtype=torch.float32)
+    # row-major: each row's completion targets are contiguous and in token order, so the flat list lands in place
+    rollout[response] = torch.tensor([x for lp in rollout_logprobs for x in lp], dtype=torch.float32)
     return Batch(input_ids, attention, response, rollout)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from forkrl.rl.batch import Batch
 from forkrl.rl.losses import LossConfig
 from forkrl.rl.step import _forward, build_batch, train_step
 from tests.numerics import FP32_EPS
@@ -47,6 +48,40 @@ def test_build_batch_marks_exactly_the_completion_targets() -> None:
         build_batch([[1]], [[2, 3]], [[-1.0]], pad_id=0)
     with pytest.raises(ValueError, match="empty prompt"):
         build_batch([[]], [[2]], [[-1.0]], pad_id=0)
+
+
+def _build_batch_by_rows(prompts: list[list[int]], comps: list[list[int]], lps: list[list[float]],
+                         pad_id: int) -> Batch:
+    # the slow reference: one row at a time, straight from the layout's definition
+    width = max(len(p) + len(c) for p, c in zip(prompts, comps, strict=True))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    att = torch.zeros((len(prompts), width), dtype=torch.long)
+    resp = torch.zeros((len(prompts), width - 1), dtype=torch.bool)
+    roll = torch.zeros((len(prompts), width - 1), dtype=torch.float32)
+    for i, (p, c, lp) in enumerate(zip(prompts, comps, lps, strict=True)):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        att[i, : len(p) + len(c)] = 1
+        for k, x in enumerate(lp):
+            resp[i, len(p) - 1 + k] = True
+            roll[i, len(p) - 1 + k] = x
+    return Batch(ids, att, resp, roll)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_build_batch_equals_the_row_by_row_layout(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 12, (1,), generator=g))
+    prompts = [torch.randint(3, VOCAB, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    comps = [torch.randint(3, VOCAB, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(n)]  # empty completions included
+    lps = [(-torch.rand(len(c), generator=g, dtype=torch.float64)).tolist() for c in comps]
+    got, want = build_batch(prompts, comps, lps, pad_id=1), _build_batch_by_rows(prompts, comps, lps, pad_id=1)
+    for a, b in zip((got.input_ids, got.attention_mask, got.response_mask, got.rollout_logp),
+                    (want.input_ids, want.attention_mask, want.response_mask, want.rollout_logp), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    one = build_batch([[4]], [[]], [[]], pad_id=0)  # a single prompt token, nothing generated: no target at all
+    assert one.input_ids.tolist() == [[4]] and tuple(one.response_mask.shape) == (1, 0)
 
 
 def test_forward_logp_equals_teacher_forced_reference() -> None:
