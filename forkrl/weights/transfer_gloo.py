@@ -358,7 +358,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     info = chunk(g) | {"next": chunk(g + 1) if g + 1 < len(order) else None}
                     if previous is None:
                         call = rpc.submit(self.client.update_weights, info)
-                    tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+                    # detached: the live parameters' storage, outside autograd (a broadcast is no op of the graph)
+                    tensors = [t.detach().contiguous() for t in tensors]
                     works = [_post(self.group, t) for t in tensors]
                     held = max(held, nbytes + (previous[3] if previous is not None else 0))
                     if previous is not None:

@@ -108,6 +108,8 @@ def test_a_push_from_a_trainer_process_serves_the_pushed_weights(
     before = client.info()
     report = trainer(service, tiny_model_dir, tmp_path / "pushed.safetensors", seed=1)
     assert report.get("version") == before.version + 1, report
+    # the push left the live parameters outside autograd's graph: a backward after it warns of nothing
+    assert report["backward_warnings"] == [] and report["params_with_grad"] == len(list(base[0].parameters()))
     pushed = load_file(str(tmp_path / "pushed.safetensors"))
     nbytes = sum(v.numel() * v.element_size() for k, v in pushed.items())
     # layer by layer: every byte went, one chunk per layerwise group, and the trainer held at most two groups

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import grpc
@@ -68,6 +69,12 @@ def main() -> int:
     try:
         rollouts.push(model, 1, "transfer", Path(tempfile.gettempdir()))
         out = {"version": rollouts.clients[0].info().version, **rollouts.last_transfer}
+        # the trainer trains on after a push: its parameters must still be plain leaves of autograd
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+        out["backward_warnings"] = [str(w.message)[:200] for w in caught]
+        out["params_with_grad"] = sum(p.grad is not None for p in model.parameters())
     except grpc.RpcError as e:
         out = {"code": e.code().name, "details": e.details()}
     finally:
