@@ -67,6 +67,20 @@ def apply_thread_env() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def release_memory() -> None:
+    """Free what a finished run held now: its model, gradients and optimizer state sit in reference cycles (the
+    session, its callbacks and threads point at each other), which only a full garbage collection frees, and
+    CPython runs one when allocation counts say so, not when a run ends. Without it a service's next run loads
+    its model beside the last one's (a 0.5B model's fp32 training state is 8 GB). On CUDA the cached blocks go back
+    too. Call it where nothing refers to the run any more (after an exception's traceback is gone)."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def usable_cores() -> int:
     """The CPUs this process may run on (its affinity mask: taskset, a container's cpuset), at least 1."""
     try:

@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from forkrl.runtime import release_memory
 from forkrl.training.config import RunConfig
 
 log = logging.getLogger("trainer_service")
@@ -214,6 +215,7 @@ class RunManager:
             log.error("run %s failed:\n%s", run.run_id, traceback.format_exc())
             final = FAILED
             run.error = describe_failure(exc, run.config.rollout_addresses)
+        release_memory()  # the run's model and optimizer state, before the next run loads its own
         with run.cond:
             run.state = final
         run.event("FINISHED", run.error or f"run {final.lower()} at step {run.step}", state=final)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from forkrl.rl.collectives import rank_world
 from forkrl.rl.step import StepStopped
+from forkrl.runtime import release_memory
 
 __all__ = ["TIMEOUT", "RankLink", "UpdatePayload", "follow", "init_ranks"]
 
@@ -166,6 +167,7 @@ def follow(device: str = "auto", threads: int | str = "auto") -> None:
             join_transfer(policy.model)
         elif op == "end":
             policy = None
+            release_memory()  # the run's shards and optimizer state, before the next "start" loads new ones
         elif op == "exit":
             return
         else:

@@ -5,6 +5,7 @@ error is a real one: a Generate at temperature 3 refused by the rollout server (
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,3 +124,46 @@ def test_stop_of_a_finished_run_changes_nothing(tmp_path: Path) -> None:
     assert run.thread is not None
     run.thread.join(60)
     assert run.state == STOPPED and manager.stop(run.run_id).state == STOPPED
+
+
+@pytest.mark.parametrize("outcome", ["succeeded", "failed"])
+def test_a_finished_run_frees_its_model(outcome: str, rollout_address: str, tiny_model_dir: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a real run (the trainer's loop, a vLLM rollout service): once it is FINISHED nothing may hold its model and
+    # optimizer state, also when it failed with the policy in its traceback's frames. The run's objects form
+    # reference cycles, so with the automatic collector off only the service's own collection can free them.
+    import gc
+    import weakref
+
+    import forkrl.training.loop as loop_module
+
+    models: list[weakref.ref] = []
+    real_load = loop_module.load_policy
+
+    def load(*args: object, **kwargs: object) -> object:
+        policy = real_load(*args, **kwargs)
+        models.append(weakref.ref(policy.model))
+        return policy
+
+    monkeypatch.setattr(loop_module, "load_policy", load)
+    if outcome == "failed":
+        def boom(_session: object) -> None:
+            raise RuntimeError("a step failed")
+
+        monkeypatch.setattr(loop_module, "_steps", boom)
+    cfg = RunConfig(model=str(tiny_model_dir), rollout_addresses=[str(rollout_address)], task="countdown",
+                    reward="countdown", num_steps=2, prompts_per_step=4, group_size=2, max_new_tokens=8,
+                    eval_every=0, run_dir=str(tmp_path / "run"))
+    # pytest's log capture keeps every record, and a record logged with exc_info keeps its traceback and so the
+    # run's frames: while the run runs, the records go to a handler that keeps none (as a service's stream does)
+    root, kept = logging.getLogger(), logging.getLogger().handlers[:]
+    root.handlers = [logging.NullHandler()]
+    gc.disable()
+    try:
+        run = _finish(RunManager(tmp_path, lambda r: loop_module.run_training(r, tensorboard=False)), cfg)
+        alive = [m() is not None for m in models]  # read before the collector is back on
+    finally:
+        gc.enable()
+        root.handlers = kept
+    assert run.state == (SUCCEEDED if outcome == "succeeded" else FAILED), run.error
+    assert alive == [False], "the finished run's model is still alive"
