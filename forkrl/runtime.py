@@ -10,8 +10,11 @@ Why each one (the measurements: docs/results.md, "Numbers moved out of docstring
   the project's cache dir instead of /tmp and ~/.cache.
 - OMP_NUM_THREADS: two CPU-bound processes with a thread per core each oversubscribe the cores and slow each
   other down by an order of magnitude.
-- OMP_WAIT_POLICY=PASSIVE (`apply_thread_env`): waiting OpenMP threads sleep instead of spinning on cores that the
-  trainer, another engine or other work needs.
+- OMP_WAIT_POLICY=PASSIVE for the engines (rollout, probe): their waiting OpenMP threads sleep instead of spinning
+  on cores that the trainer needs while an async run trains beside generation. The trainer process sets none:
+  libgomp's default (a waiting thread spins a few milliseconds, then sleeps) is the faster one while it has the
+  cores (a sync run's update); where other busy work shares the cores (a CI runner, several jobs), export
+  OMP_WAIT_POLICY=PASSIVE before starting anything (scripts/test.sh does).
 
 `mark_service_process()` / `die_with_service()`: the processes a service's engine starts (vLLM's engine core,
 its worker) end when the service's main process ends, also when it was SIGKILLed (nothing runs in it then).
@@ -48,23 +51,14 @@ def apply_runtime_env(threads: int | None = None) -> None:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        "OMP_WAIT_POLICY": "PASSIVE",  # the engine's processes inherit it (module docstring)
     }
     if threads is not None:
         defaults["OMP_NUM_THREADS"] = str(threads)
         defaults["MKL_NUM_THREADS"] = str(threads)
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
-    apply_thread_env()  # the engine's OpenMP threads wait passively too (its processes inherit the variable)
     Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
-
-
-def apply_thread_env() -> None:
-    """OpenMP defaults for torch's CPU threads in this process: call before torch is imported (libgomp reads them
-    when it loads). OMP_WAIT_POLICY=PASSIVE: a thread that waits at a barrier sleeps instead of spinning. With more
-    than one thread on a machine where other work takes cores, a spinning thread burns the time slices its
-    descheduled peers need and a step slows down by an order of magnitude; passive threads keep a second thread
-    a gain there too (docs/results.md, issue 28). A value the environment already has wins."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def release_memory() -> None:

@@ -24,6 +24,9 @@ cd "$(dirname "$0")/.."
 [ "${FORKRL_SKIP_SETUP:-}" = 1 ] || bash scripts/setup.sh
 VENV=${FORKRL_VENV:-.venv}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# The suite starts many processes on few cores (and CI machines are loaded): OpenMP threads that wait at a
+# barrier sleep instead of spinning on cores the others need (forkrl itself leaves the variable to the user).
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 [ -t 1 ] || export TQDM_MININTERVAL=${TQDM_MININTERVAL:-10}  # CI logs: a progress line every 10 s, not 10 a second
 
 "$VENV/bin/ruff" check --quiet . || { echo "[test] ruff found problems (see above)"; exit 1; }

@@ -18,9 +18,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer_service.config import TrainerSettings
 
     settings = parse_settings(TrainerSettings, argv)
-    from forkrl.runtime import apply_thread_env
-
-    apply_thread_env()  # before torch is imported: passive OpenMP waits (forkrl/runtime.py)
     from trainer_service.server import serve
 
     return serve(settings)

@@ -70,35 +70,26 @@ def test_load_policy_sets_the_run_s_threads(tiny_model_dir, tmp_path, monkeypatc
         torch.set_num_threads(before)
 
 
-def test_the_trainer_process_waits_passively_unless_told_otherwise() -> None:
+def test_the_openmp_wait_policy_engines_passive_trainer_libgomps_default_the_users_value_wins() -> None:
+    """The engines (apply_runtime_env) wait passively, the trainer sets no policy (libgomp's default), and a value
+    the user exports reaches both unchanged, in the trainer before torch loads (libgomp reads it then)."""
     import os
     import subprocess
     import sys
 
     # a stand-in server module: what the environment holds, and whether torch was loaded, when serve() starts
-    code = ("import os, sys, types\n"
-            "stub = types.ModuleType('trainer_service.server')\n"
-            "stub.serve = lambda s: print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules) or 0\n"
-            "sys.modules['trainer_service.server'] = stub\n"
-            "from trainer_service.__main__ import main\n"
-            "main([])")
+    trainer = ("import os, sys, types\n"
+               "stub = types.ModuleType('trainer_service.server')\n"
+               "stub.serve = lambda s: print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules) or 0\n"
+               "sys.modules['trainer_service.server'] = stub\n"
+               "from trainer_service.__main__ import main\n"
+               "main([])")
+    engine = ("import os, sys; from forkrl.runtime import apply_runtime_env; apply_runtime_env(); "
+              "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["PASSIVE", "False"]  # set before torch loads (libgomp reads it then)
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
-                         text=True, check=True)
-    assert out.stdout.split() == ["ACTIVE", "False"]  # the user's value wins
-
-
-def test_the_engines_wait_passively_unless_told_otherwise() -> None:
-    import os
-    import subprocess
-    import sys
-
-    code = ("import os; from forkrl.runtime import apply_runtime_env; apply_runtime_env(); "
-            "print(os.environ['OMP_WAIT_POLICY'])")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+    for given, want_trainer, want_engine in ((None, "None", "PASSIVE"), ("PASSIVE", "PASSIVE", "PASSIVE"),
+                                             ("ACTIVE", "ACTIVE", "ACTIVE")):
         e = env if given is None else {**env, "OMP_WAIT_POLICY": given}
-        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == want
+        for code, want in ((trainer, want_trainer), (engine, want_engine)):
+            out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)
+            assert out.stdout.split() == [want, "False"]
