@@ -235,6 +235,7 @@ def sample_rows(
     try:
         with torch.inference_mode():  # nothing here is ever differentiated (the cache and tensors die with the call)
             cache = None
+            draws, drawn_at = None, 0  # the rows' Exp(1) draws for the steps drawn_at.. (see _draw_ahead)
             step_ids, step_pos = ids, positions
             for step in range(max(limit)):
                 if aborted is not None:
@@ -261,13 +262,9 @@ def sample_rows(
                     logp = torch.log_softmax(z / temperature, -1)
                     if top_p < 1:
                         logp = _nucleus(logp, top_p)
-                    q = torch.empty_like(logp)
-                    for r in range(n):
-                        if live[r]:
-                            q[r].exponential_(generator=generators[r])
-                        else:
-                            q[r] = 1.0
-                    tok = (logp.exp() / q).argmax(-1)
+                    if draws is None or step - drawn_at >= draws.shape[1]:
+                        draws, drawn_at = _draw_ahead(logp, generators, live, limit, step), step
+                    tok = (logp.exp() / draws[:, step - drawn_at]).argmax(-1)
                 tok_lp = logp.gather(-1, tok[:, None])[:, 0]
                 if not bool(torch.isfinite(tok_lp).all()):
                     # a fully masked (padding) attention row turned into NaN and leaked: e.g. eager float64
@@ -296,6 +293,30 @@ def sample_rows(
     finally:
         model.train(was_training)
     return rows
+
+
+DRAW_AHEAD_ELEMENTS = 1 << 16
+"""How many Exp(1) draws (steps x vocabulary) `sample_rows` takes from a row's generator in one call."""
+
+
+def _draw_ahead(logp: torch.Tensor, generators: Sequence[torch.Generator], live: list[bool], limit: list[int],
+                step: int) -> torch.Tensor:
+    """(rows, K, vocab) Exp(1) draws for the decode steps step .. step + K - 1: one call per live row and K steps
+    (K = DRAW_AHEAD_ELEMENTS // vocab, at least 1) instead of one per row and step: a call is a dispatch (on a GPU a
+    kernel launch), which at a small vocabulary costs more than its draws. A row draws min(K, its steps left) in
+    order from its own generator, so its draws depend on its generator, its own limit and the vocabulary only,
+    never on the rows beside it (on CPU, where torch draws element by element, they are exactly the draws of one
+    call per step); ended rows and steps past a row's limit hold 1.0. At most DRAW_AHEAD_ELEMENTS floats per row
+    are held (256 KiB in float32)."""
+    import torch
+
+    vocab = logp.shape[-1]
+    k = max(1, min(DRAW_AHEAD_ELEMENTS // vocab, max(limit) - step))
+    q = torch.ones((logp.shape[0], k, vocab), dtype=logp.dtype, device=logp.device)
+    for r, gen in enumerate(generators):
+        if live[r]:
+            q[r, : min(k, limit[r] - step)].exponential_(generator=gen)
+    return q
 
 
 def _nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -68,6 +68,28 @@ def test_a_row_draws_the_same_tokens_alone_as_in_any_batch(models) -> None:
     assert len({tuple(r.tokens) for r in rows}) > len(PROMPTS)
 
 
+def test_drawing_ahead_in_chunks_draws_what_one_draw_per_step_would(models, monkeypatch) -> None:
+    """The Exp(1) draws come several steps at a time (`_draw_ahead`); on CPU torch draws element by element, so the
+    chunk size changes nothing: chunks of 3 steps, of 1 step (one draw per row and step) and of the whole response
+    sample the same tokens, rows of different limits included."""
+    from forkrl.models import sampling
+
+    tok, m32, _ = models
+    ids = [tok.encode(p) for p in PROMPTS for _ in range(3)]
+    limits = [16 if r % 2 else 5 for r in range(len(ids))]
+    vocab = m32.config.vocab_size
+    outs = []
+    for elements in (vocab * 3, 1, vocab * 64):
+        monkeypatch.setattr(sampling, "DRAW_AHEAD_ELEMENTS", elements)
+        gens = [torch.Generator().manual_seed(700 + r) for r in range(len(ids))]
+        rows = sample_rows(m32, ids, limits, gens, temperature=1.0, eos_ids=[tok.eos_token_id],
+                           pad_id=tok.pad_token_id)
+        outs.append([(r.tokens, r.finish) for r in rows])
+    assert outs[0] == outs[1] == outs[2]
+    assert max(len(t) for t, _ in outs[0]) > 3  # some row ran past the first chunk of 3 steps
+    assert all(len(t) <= lim for (t, _), lim in zip(outs[0], limits, strict=True))
+
+
 def test_eos_is_kept_and_limits_and_callbacks_end_rows(models) -> None:
     tok, m32, _ = models
     ids, rows = _rows(tok, m32, 1.0, limit=16)
