@@ -25,9 +25,10 @@ One evaluator scores every arm's final model and the initial one (`evaluate_mode
 
 Printed per size: per run and per arm (mean ± sd over seeds) s/step with generation / training / push (means
 over the steps after --warmup-steps; in the async arm generation overlaps training, so the parts do not add up;
-TRL has no push), the ratio forkrl/TRL and the issue-28 goals (sync <= 1.0x TRL, async <= 0.6x) as met/missed,
-for a missed goal what bounds it (from the measured parts), eval before/after and the gain. JSON of every run
-in --out.
+TRL has no push), the ratio forkrl/TRL and the issue-28 goals (sync <= 1.0x TRL, async <= 0.6x) as met/missed
+(a miss smaller than the sd of the per-seed ratios is said to be one), with 2+ seeds the ratio seed by seed (each
+forkrl run over the TRL run of its seed, run side by side), for a missed goal what bounds it (from the measured
+parts), eval before/after and the gain. JSON of every run in --out.
 
 --device cuda: the services use the GPU (their device auto), TRL generates with vLLM (use_vllm, colocate
 mode), the evaluator runs on the GPU: both sides with vLLM generation. That code path is present but has not
@@ -240,8 +241,16 @@ def report(results: list[dict], base_eval: dict[str, dict]) -> list[str]:
             for arm, goal in GOALS.items():
                 if arm in per_arm:
                     ratio = per_arm[arm] / per_arm["trl"]
+                    paired = seed_ratios(rs, arm)
+                    verdict = "met" if ratio <= goal else "missed"
+                    if ratio > goal and len(paired) > 1 and ratio - goal <= _sd(paired):
+                        verdict = (f"missed by {ratio - goal:.2f}, less than the per-seed ratios' sd "
+                                   f"{_sd(paired):.2f}: level with the goal within this machine's run-to-run spread")
                     lines.append(f"ratio of mean s/step {LABELS[arm]} / TRL: {ratio:.2f}  (goal <= {goal:.1f}: "
-                                 f"{'met' if ratio <= goal else 'missed'})")
+                                 f"{verdict})")
+                    if len(paired) > 1:
+                        lines.append("  per seed (each run / the TRL run of its seed, run side by side): "
+                                     + " / ".join(f"{x:.2f}" for x in paired) + f", mean {_fmt(paired, 2)}")
                     if ratio > goal:
                         lines.append("  what bounds it: " + bound(arm, goal, rs, per_arm["trl"]))
             if gains.get("trl") and len(gains["trl"]) > 1:
@@ -252,6 +261,13 @@ def report(results: list[dict], base_eval: dict[str, dict]) -> list[str]:
                                  f"(larger sd) {spread:.3f}  (goal |difference| <= spread: "
                                  f"{'met' if abs(diff) <= spread else 'missed'})")
     return lines
+
+
+def seed_ratios(runs: list[dict], arm: str) -> list[float]:
+    """The arm's s/step over TRL's, seed by seed (the arms of a seed run one after the other, so a slow spell of
+    the machine hits both sides of a pair more alike than two seeds apart); seeds without both runs are left out."""
+    trl = {r["seed"]: r["means"]["step_s"] for r in runs if r["arm"] == "trl"}
+    return [r["means"]["step_s"] / trl[r["seed"]] for r in runs if r["arm"] == arm and r["seed"] in trl]
 
 
 def bound(arm: str, goal: float, runs: list[dict], trl_step: float) -> str:

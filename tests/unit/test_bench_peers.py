@@ -58,6 +58,22 @@ def test_report_ratios_goals_and_learning_verdicts():
     assert "what bounds it: the trainer's update alone takes 1.000 s/step in this arm = 0.67x TRL's whole step" in text
 
 
+def test_report_gives_the_per_seed_ratios_and_calls_a_miss_inside_their_spread_one():
+    # seed by seed sync / TRL: 1.1 / 1.0 = 1.10, 0.9 / 1.0 = 0.90, 1.1 / 1.0 = 1.10: mean 1.033, sd 0.115; the ratio of
+    # the means 3.1 / 3.0 = 1.033 misses the goal 1.0 by 0.03 < 0.115; async 2.0 / 1.0 each seed: sd 0, plainly missed
+    results = []
+    for seed, sync_s in enumerate((1.1, 0.9, 1.1)):
+        results += [_run("sync", seed, sync_s, 0.3), _run("async", seed, 2.0, 0.3), _run("trl", seed, 1.0, 0.3)]
+    text = "\n".join(bench_peers.report(results, {"tiny": {"t1": 0.2, "greedy": 0.2}}))
+    assert ("forkrl sync / TRL: 1.03  (goal <= 1.0: missed by 0.03, less than the per-seed ratios' sd 0.12: level "
+            "with the goal within this machine's run-to-run spread)") in text
+    assert "run side by side): 1.10 / 0.90 / 1.10, mean 1.03 ± 0.12" in text
+    assert "forkrl async k=1 / TRL: 2.00  (goal <= 0.6: missed)" in text
+    assert "run side by side): 2.00 / 2.00 / 2.00, mean 2.00 ± 0.00" in text
+    # a seed without its TRL run is left out of the pairs
+    assert bench_peers.seed_ratios(results[:-1], "sync") == pytest.approx([1.1, 0.9])
+
+
 def test_smoke_forces_two_steps_and_a_small_eval(tmp_path: Path):
     a = bench_peers.parse_args(["--smoke", "--arms", "sync", "async", "--data-dir", str(tmp_path)])
     assert (a.num_steps, a.big_steps, a.eval_prompts, a.big_shape) == (2, 2, 32, [8, 2, 8])
