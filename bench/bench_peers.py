@@ -27,7 +27,7 @@ Printed per size: per run and per arm (mean ± sd over seeds) s/step with genera
 over the steps after --warmup-steps; in the async arm generation overlaps training, so the parts do not add up;
 TRL has no push), the ratio forkrl/TRL and the issue-28 goals (sync <= 1.0x TRL, async <= 0.6x) as met/missed
 (a miss smaller than the sd of the per-seed ratios is said to be one), with 2+ seeds the ratio seed by seed (each
-forkrl run over the TRL run of its seed, run side by side), for a missed goal what bounds it (from the measured
+forkrl run over the TRL run of its seed), for a missed goal what bounds it (from the measured
 parts), eval before/after and the gain. JSON of every run in --out.
 
 --device cuda: the services use the GPU (their device auto), TRL generates with vLLM (use_vllm, colocate
@@ -249,7 +249,7 @@ def report(results: list[dict], base_eval: dict[str, dict]) -> list[str]:
                     lines.append(f"ratio of mean s/step {LABELS[arm]} / TRL: {ratio:.2f}  (goal <= {goal:.1f}: "
                                  f"{verdict})")
                     if len(paired) > 1:
-                        lines.append("  per seed (each run / the TRL run of its seed, run side by side): "
+                        lines.append("  per seed (each run / the TRL run of its seed): "
                                      + " / ".join(f"{x:.2f}" for x in paired) + f", mean {_fmt(paired, 2)}")
                     if ratio > goal:
                         lines.append("  what bounds it: " + bound(arm, goal, rs, per_arm["trl"]))
@@ -264,8 +264,9 @@ def report(results: list[dict], base_eval: dict[str, dict]) -> list[str]:
 
 
 def seed_ratios(runs: list[dict], arm: str) -> list[float]:
-    """The arm's s/step over TRL's, seed by seed (the arms of a seed run one after the other, so a slow spell of
-    the machine hits both sides of a pair more alike than two seeds apart); seeds without both runs are left out."""
+    """The arm's s/step over TRL's, seed by seed (at size tiny the arms of a seed run one after the other, so a slow
+    spell of the machine hits both sides of a pair more alike than two seeds apart); seeds without both runs are
+    left out."""
     trl = {r["seed"]: r["means"]["step_s"] for r in runs if r["arm"] == "trl"}
     return [r["means"]["step_s"] / trl[r["seed"]] for r in runs if r["arm"] == arm and r["seed"] in trl]
 

@@ -67,9 +67,9 @@ def test_report_gives_the_per_seed_ratios_and_calls_a_miss_inside_their_spread_o
     text = "\n".join(bench_peers.report(results, {"tiny": {"t1": 0.2, "greedy": 0.2}}))
     assert ("forkrl sync / TRL: 1.03  (goal <= 1.0: missed by 0.03, less than the per-seed ratios' sd 0.12: level "
             "with the goal within this machine's run-to-run spread)") in text
-    assert "run side by side): 1.10 / 0.90 / 1.10, mean 1.03 ± 0.12" in text
+    assert "of its seed): 1.10 / 0.90 / 1.10, mean 1.03 ± 0.12" in text
     assert "forkrl async k=1 / TRL: 2.00  (goal <= 0.6: missed)" in text
-    assert "run side by side): 2.00 / 2.00 / 2.00, mean 2.00 ± 0.00" in text
+    assert "of its seed): 2.00 / 2.00 / 2.00, mean 2.00 ± 0.00" in text
     # a seed without its TRL run is left out of the pairs
     assert bench_peers.seed_ratios(results[:-1], "sync") == pytest.approx([1.1, 0.9])
 
