@@ -30,6 +30,10 @@ TRL has no push), the ratio forkrl/TRL and the issue-28 goals (sync <= 1.0x TRL,
 forkrl run over the TRL run of its seed), for a missed goal what bounds it (from the measured
 parts), eval before/after and the gain. JSON of every run in --out.
 
+Each run's directory (<data-dir>/runs/...: its checkpoints, at 0.5b several GB per run with the optimizer state) is
+deleted once the bench has read what it needs from it (the evaluation of its final model at size tiny);
+--keep-runs keeps them.
+
 --device cuda: the services use the GPU (their device auto), TRL generates with vLLM (use_vllm, colocate
 mode), the evaluator runs on the GPU: both sides with vLLM generation. That code path is present but has not
 been run on a GPU yet.
@@ -41,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -87,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="2 steps per run (also at 0.5b, whose shape shrinks to 8 x 2 x 8), 32 eval prompts")
     p.add_argument("--data-dir", type=Path, default=REPO_ROOT / "runs" / "bench-peers")
     p.add_argument("--out", type=Path, default=None, help="results JSON (default: <data-dir>/results.json)")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="keep each run's directory (checkpoints; at 0.5b several GB per run) instead of deleting it "
+                        "once measured and evaluated")
     p.add_argument("--report", type=Path, default=None, metavar="JSON",
                    help="run nothing: print the tables of an earlier --out file (e.g. of an interrupted bench)")
     args = p.parse_args(argv)
@@ -178,7 +186,7 @@ def run_forkrl(stub, stack, args: argparse.Namespace, size: str, model: Path, ar
     with RolloutClient(stack.addresses["rollout"], token=stack.token, timeout_s=60) as c:
         backend = c.info().engine.backend
     return {"steps": steps, "wall_s": time.monotonic() - t0, "final": str(run_dir / "checkpoints" / "final"),
-            "backend": backend}
+            "run_dir": str(run_dir), "backend": backend}
 
 
 def run_one(stub, stack, args: argparse.Namespace, size: str, model: Path, arm: str, seed: int) -> dict:  # noqa: ANN001
@@ -191,13 +199,16 @@ def run_one(stub, stack, args: argparse.Namespace, size: str, model: Path, arm: 
                     shape, steps=shape["steps"], lr=args.lr, seed=seed, threads=args.trl_threads,
                     device=args.device, top_frac=args.top_frac, micro_batch=args.micro_batch)
         run = {"steps": {k: r[k] for k in ("step_s", "generate_s", "train_s", "push_s")}, "wall_s": r["wall_s"],
-               "final": r["final"], "trl": r["config"]}
+               "final": r["final"], "run_dir": str(out_dir), "trl": r["config"]}
     else:
         run = run_forkrl(stub, stack, args, size, model, arm, seed)
     run.update(size=size, arm=arm, seed=seed, shape=shape, means=step_means(run["steps"], args.warmup_steps))
     if size == "tiny":
         run["eval_after"] = evaluate_model(Path(run["final"]), args.eval_prompts, max_new_tokens=shape["tokens"],
                                            device=args.device)
+    if not args.keep_runs:
+        shutil.rmtree(run["run_dir"], ignore_errors=True)  # measured and evaluated: its checkpoints are not needed
+        run["run_dir"] = run["final"] = None
     m = run["means"]
     backend = f" [rollout backend {run['backend']}]" if run.get("backend") else ""
     print(f"  {size} {LABELS[arm]}{backend} seed {seed}: {m['step_s']:.3f} s/step (generation {m['generate_s']:.3f}, "

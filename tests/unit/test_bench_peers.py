@@ -123,8 +123,10 @@ def test_smoke_runs_every_arm_two_steps_and_prints_every_arm(tmp_path: Path):
         assert all(len(v) == 2 for v in r["steps"].values()), (r["arm"], r["steps"])  # 2 steps each
         for key, values in r["steps"].items():
             assert all(math.isfinite(v) and (v >= 0 if key == "push_s" else v > 0) for v in values), (r["arm"], key)
-        assert 0 <= r["eval_after"]["t1"] <= 1 and 0 <= r["eval_after"]["greedy"] <= 1
-        assert Path(r["final"], "model.safetensors").is_file()
+        assert 0 <= r["eval_after"]["t1"] <= 1 and 0 <= r["eval_after"]["greedy"] <= 1  # its final model, evaluated
+        assert r["run_dir"] is None and r["final"] is None
+    # each run's directory (checkpoints) is deleted once evaluated (without --keep-runs): nothing is left
+    assert list((tmp_path / "runs").iterdir()) == []
     for label in bench_peers.LABELS.values():
         assert label in proc.stdout
     assert "forkrl sync / TRL:" in proc.stdout and "forkrl async k=1 / TRL:" in proc.stdout
