@@ -47,6 +47,16 @@ if [ "${FORKRL_DOCKER_TESTS:-}" = 1 ] || { [ "${CI:-}" = true ] && [ "${FORKRL_D
   markers=(-m "docker or not docker")
 fi
 
+# Free disk, said up front: a full disk fails tests by the dozen with "No space left on device" far from the cause.
+# The suite writes ~1 GB per session under $TMPDIR (a passing test's tmp_path is deleted at the session's end);
+# the Docker test builds images of ~8 GB under dockerd's data root.
+need_gb=$(( ${#markers[@]} > 0 ? 12 : 3 ))
+free_gb=$(df -Pk "${TMPDIR:-/tmp}" . /var/lib 2>/dev/null | awk 'NR > 1 {print int($4 / 1048576)}' | sort -n | head -1)
+echo "[test] free disk: ${free_gb:-?} GB (least of \$TMPDIR, the checkout, /var/lib)"
+if [ -n "$free_gb" ] && [ "$free_gb" -lt "$need_gb" ]; then
+  echo "[test] warning: less than $need_gb GB free; tests that fail with 'No space left on device' failed for the disk"
+fi
+
 t0=$(date +%s)
 "$VENV/bin/python" -m pytest tests -q "${markers[@]}" "$@"
 echo "[test] file order: passed in $(( $(date +%s) - t0 )) s"
