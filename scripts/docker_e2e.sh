@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end check of the Docker stack: image build, compose up, a 3-step RL run, a probe of its
 # checkpoints, compose down. Prints the time of each phase. Leaves nothing running (trap), and removes
-# only what it created: its compose project (forkrl-e2e, with its volumes) and, if it started it, dockerd.
+# only what it created: its compose project (forkrl-e2e, with its volumes), if it started it, dockerd, and
+# the image an earlier run had built under the tag it rebuilds (left untagged by the new build).
 #
 #   sudo bash scripts/docker_e2e.sh
 #
@@ -119,11 +120,18 @@ begin "docker build"
 # `docker image prune` deletes, and with it the cache that makes app-only rebuilds take seconds.
 for target in venv final; do
   if [ $target = venv ]; then tag=${FORKRL_IMAGE%%:*}-venv:${FORKRL_IMAGE##*:}; opts=(--target venv); else tag=$FORKRL_IMAGE; opts=(); fi
-  nice docker build --network host --build-arg BASE_IMAGE="$FORKRL_BASE_IMAGE" "${opts[@]}" \
+  old_id=$(docker image inspect -f '{{.Id}}' "$tag" 2>/dev/null || true)
+  # --force-rm: a failed step's build container is removed too (the legacy builder keeps it otherwise)
+  nice docker build --force-rm --network host --build-arg BASE_IMAGE="$FORKRL_BASE_IMAGE" "${opts[@]}" \
     -f docker/Dockerfile -t "$tag" . 2>&1 \
     | grep -v -e "^DEPRECATED: The legacy builder" -e "Install the buildx" -e "docs.docker.com/go/buildx" \
     | grep -E "^(Step|Successfully tagged)|rror" || true
   docker image inspect "$tag" >/dev/null
+  # the image this build's tag replaced (an earlier run's, now untagged: ~4 GB each) goes; docker refuses while a
+  # container or another tag still uses it, and then it stays
+  if [ -n "$old_id" ] && [ "$old_id" != "$(docker image inspect -f '{{.Id}}' "$tag")" ]; then
+    docker image rm "$old_id" >/dev/null 2>&1 && log "removed the image $tag replaced (${old_id:7:12})" || true
+  fi
 done
 log "image $FORKRL_IMAGE: $(docker image inspect -f '{{.Size}}' "$FORKRL_IMAGE" | awk '{printf "%.2f GB", $1/1e9}')"
 end
