@@ -41,8 +41,9 @@ class EvalParams(BaseModel):
 
     # ---- benchmarks and grading
     benchmarks: list[str] = Field(default=[], max_length=64)
-    """Benchmark files or folders (JSONL, Parquet, a `datasets` folder; the whole file, in file order); empty =
-    the run's eval_dataset."""
+    """Benchmark files or folders (JSONL, Parquet, a `datasets` folder; the whole file, in file order), or a built-in
+    task's name (countdown, sum3, add2: its held-out eval split, the problems the run's own evaluation drew); empty =
+    the run's eval_dataset, else the run's built-in task."""
     prompt_field: str | None = None
     """Benchmark field of the prompt, dotted for a nested one; unset = the run's (auto-detection)."""
     answer_field: str | None = None

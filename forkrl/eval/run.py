@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forkrl.data.datasets import Fields, benchmark_names, load_benchmark
+from forkrl.data.datasets import Fields, benchmark_names, load_benchmark, load_problems
 from forkrl.data.prompts import PromptEncoder, check_prompt_format, check_reward_format, final_answer, run_reward_fn
 from forkrl.data.rewards import get_reward_fn
-from forkrl.data.tasks import Problem
+from forkrl.data.tasks import DEFAULT_TASK, TASKS, Problem, get_task
 from forkrl.eval.metrics import ProblemResult, aggregate
 from forkrl.eval.params import DEFAULT_MAX_NEW_TOKENS, EvalParams
 from forkrl.probe.checkpoints import CheckpointRef, resolve_checkpoints
@@ -33,7 +33,8 @@ from forkrl.probe.params import ProbeParams
 
 ProgressFn = Callable[[str], None]
 RUN_KEYS = ("prompt_format", "system_prompt", "prompt_field", "answer_field", "reward", "temperature",
-            "max_new_tokens", "eval_dataset", "dataset", "model")
+            "max_new_tokens", "eval_dataset", "dataset", "model", "task", "eval_prompts", "seed")
+DEFAULT_TASK_PROBLEMS = 128  # problems of a built-in task's eval split when neither the run nor --max-problems says
 
 
 class EvalInputError(ValueError):
@@ -111,12 +112,19 @@ def plan_eval(params: EvalParams) -> EvalPlan:
         ref.step = _step_of(ref)
     fmt = p.prompt_format or run.get("prompt_format", "raw")
     system = p.system_prompt if p.system_prompt is not None else run.get("system_prompt", "")
-    reward = p.reward or run.get("reward") or "math_verify"
     fields = Fields(p.prompt_field if p.prompt_field is not None else run.get("prompt_field", ""),
                     p.answer_field if p.answer_field is not None else run.get("answer_field", ""))
     paths = p.benchmarks or list(run.get("eval_dataset", []))
+    if not paths and run_path and not run.get("dataset"):
+        paths = [run.get("task") or DEFAULT_TASK]  # a run on a built-in task: its held-out split
     if not paths:
-        raise EvalInputError("no benchmarks: give benchmarks (or a run whose config names eval_dataset)")
+        raise EvalInputError("no benchmarks: give benchmarks (files, folders or a built-in task's name: "
+                             f"{', '.join(TASKS)}), or a run whose config names eval_dataset or a built-in task")
+    tasks = [_builtin_task(path) for path in paths]
+    only_tasks = {t for t in tasks if t} if all(tasks) else set()
+    # a built-in task's own grader when every benchmark is that task (countdown's answers are not math answers)
+    reward = (p.reward or run.get("reward") or (get_task(only_tasks.pop()).reward if len(only_tasks) == 1 else "")
+              or "math_verify")
     notes = []
     ks = sorted({k for k in p.pass_k if k <= p.num_samples})
     if len(ks) < len(set(p.pass_k)):
@@ -130,8 +138,8 @@ def plan_eval(params: EvalParams) -> EvalPlan:
         check_prompt_format(next((r.path for r in refs if any(r.path.glob("tokenizer*"))), refs[0].path), fmt,
                             system)
         benchmarks = []
-        for name, path in zip(benchmark_names(paths), paths, strict=True):
-            problems = load_benchmark(path, fields)
+        for name, path, task in zip(benchmark_names(paths), paths, tasks, strict=True):
+            problems = _task_problems(task, p, run) if task else load_benchmark(path, fields)
             benchmarks.append(Benchmark(name, str(path), problems[:p.max_problems] if p.max_problems
                                         else list(problems)))
     except ValueError as exc:
@@ -139,6 +147,18 @@ def plan_eval(params: EvalParams) -> EvalPlan:
     temperature = p.temperature if p.temperature is not None else float(run.get("temperature", 1.0))
     max_new = p.max_new_tokens or int(run.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
     return EvalPlan(p, refs, benchmarks, fmt, system, reward, temperature, max_new, ks, run_path, notes)
+
+
+def _builtin_task(path: str) -> str:
+    """The built-in task a benchmark names (its name, when no file or folder of that name exists), else ""."""
+    return path if path in TASKS and not Path(path).exists() else ""
+
+
+def _task_problems(task: str, p: EvalParams, run: dict[str, Any]) -> list[Problem]:
+    """A built-in task's held-out (eval) split: the problems the run's own evaluation drew (its eval_prompts and seed,
+    as forkrl/training/loop.py draws them), or the first --max-problems of them."""
+    n = p.max_problems or int(run.get("eval_prompts") or DEFAULT_TASK_PROBLEMS)
+    return list(load_problems(task, None, "eval", n, seed=int(run.get("seed", 0))))
 
 
 def _eos_ids(path: Path, tok: Any) -> list[int]:

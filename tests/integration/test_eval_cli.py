@@ -96,3 +96,55 @@ def test_eval_with_the_transformers_sampler_counts_alike(tmp_path: Path, tiny_mo
     for r in summary["problems"]:
         r["texts"] = texts[r["index"]]
     _recount(summary, problems, "base", 3)
+
+
+def _run_on_a_builtin_task(tmp_path: Path, tiny_model_dir: Path, **settings: object) -> Path:
+    """A run directory as the trainer writes one for a built-in task (config.json names no dataset), with the
+    committed model as its step-2 checkpoint."""
+    run = tmp_path / "run"
+    ckpt = shutil.copytree(tiny_model_dir, run / "checkpoints" / "step_000002")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    (run / "config.json").write_text(json.dumps({"task": "", "dataset": "", "eval_dataset": [], "reward": "",
+                                                 "prompt_format": "raw", **settings}))
+    return run / "checkpoints"
+
+
+def test_a_run_on_a_builtin_task_evaluates_on_its_held_out_split(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """No --benchmarks: a run whose config names a built-in task (here the default, countdown) is evaluated on that
+    task's eval split, the problems the run's own evaluation drew (its eval_prompts and seed), graded by the task's
+    reward; avg@n and pass@k equal a hand count with the countdown verifier, and the plot is written."""
+    from forkrl.data.datasets import load_eval_sets
+    from forkrl.eval import EvalParams, plan_eval, run_eval
+
+    root = _run_on_a_builtin_task(tmp_path, tiny_model_dir, eval_prompts=4, seed=7, max_new_tokens=16)
+    params = EvalParams(checkpoint_root=str(root), steps=[2], num_samples=3, pass_k=[1, 2, 3], sampler="transformers")
+    plan = plan_eval(params)
+    (_, drawn), = load_eval_sets("countdown", None, [], 4, 7)
+    assert [b.name for b in plan.benchmarks] == ["countdown"] and plan.reward == "countdown"
+    assert [(q.prompt, q.answer) for q in plan.benchmarks[0].problems] == [(q.prompt, q.answer) for q in drawn]
+    summary = run_eval(params, tmp_path / "out", device="cpu", progress=lambda msg: None)
+    texts: dict[int, list[str]] = {}
+    for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines():
+        s = json.loads(line)
+        texts.setdefault(s["index"], []).append(s["text"])
+    for r in summary["problems"]:
+        r["texts"] = texts[r["index"]]
+    _recount(summary, list(drawn), "step_000002", 3)
+    assert (tmp_path / "out" / "avg_vs_step.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_builtin_task_is_a_benchmark_by_name(tmp_path: Path, tiny_model_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """--benchmarks countdown (no such path): the task's eval split, its own reward; a path of that name is read."""
+    from forkrl.eval import EvalParams, plan_eval
+    from forkrl.eval.run import EvalInputError
+
+    plan = plan_eval(EvalParams(model=str(tiny_model_dir), benchmarks=["countdown"], max_problems=5))
+    assert plan.reward == "countdown" and len(plan.benchmarks[0].problems) == 5
+    assert [q.prompt for q in plan.benchmarks[0].problems] == [q.prompt for q in make_split("countdown", "eval", 5)]
+    with pytest.raises(EvalInputError, match="built-in task"):
+        plan_eval(EvalParams(model=str(tiny_model_dir)))
+    monkeypatch.chdir(tmp_path)
+    Path("countdown").write_text('{"prompt": "1 2 3->6:", "answer": "6"}\n')  # a path of that name is read
+    with pytest.raises(EvalInputError, match="dataset countdown: unknown kind"):
+        plan_eval(EvalParams(model=str(tiny_model_dir), benchmarks=["countdown"]))
