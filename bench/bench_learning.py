@@ -152,9 +152,9 @@ def run_to_end(stub, cfg, label: str) -> list[dict]:  # noqa: ANN001 (TrainerSer
 
 
 def _run_one(stub, stack, args: argparse.Namespace, model: Path, arm: str, seed: int) -> dict:  # noqa: ANN001
+    from forkrl.report.data import mean_class_breakdown
     from forkrl.training.config import RunConfig
     from forkrl.training.curves import eval_gain
-    from forkrl.training.metrics import mean_class_breakdown
 
     run_dir = args.data_dir / "runs" / f"{args.loss}-{arm}-seed{seed}-{time.strftime('%H%M%S')}"
     fields = arm_config(arm, args.prompts_per_step)

@@ -80,7 +80,7 @@ def _table(rows: list[list[str]]) -> str:
 
 def class_table(train: list[dict]) -> list[str]:
     """What the mask keeps by answer-token class (mean over the run's steps), when the task labels its tokens."""
-    from forkrl.training.metrics import mean_class_breakdown
+    from forkrl.report.data import mean_class_breakdown
 
     shares = mean_class_breakdown(train)
     if not shares:

@@ -14,9 +14,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forkrl.report.record import SAMPLES_DIR
+from forkrl.data.problem import TOKEN_CLASSES
 
-__all__ = ["RunData", "kept_ranking", "rank_moves", "read_jsonl", "read_run"]
+__all__ = ["SAMPLED_RESPONSES", "SAMPLES_DIR", "SHOWN_RESPONSES", "RunData", "kept_ranking", "mean_class_breakdown",
+           "rank_moves", "read_jsonl", "read_run"]
+
+# The eval samples' layout in a run directory: written by forkrl/report/record.py during training, read here.
+SAMPLES_DIR = "eval_samples"
+SHOWN_RESPONSES = 4  # responses written token by token (the page shows them)
+SAMPLED_RESPONSES = 32  # responses teacher-forced at each eval: the histogram and the kept-token counts
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -134,3 +140,20 @@ def rank_moves(first: dict, last: dict, top: int = 15) -> list[dict]:
                          "before": r.rank, "move": None if now is None else r.rank - now.rank,
                          "main_class": r.main_class, "dropped": True})
     return rows
+
+
+def mean_class_breakdown(lines: Sequence[dict]) -> dict[str, dict[str, float | None]]:
+    """{class: {"all", "kept", "rate"}}: the breakdown's shares averaged over the metrics lines that have them
+    (train steps of metrics.jsonl), the rate over the steps where the class occurred (None: never). {} without a
+    breakdown."""
+    out: dict[str, dict[str, float]] = {}
+    present = [k.removeprefix("all_share_") for k in (lines[0] if lines else {}) if k.startswith("all_share_")]
+    order = {c: i for i, c in enumerate(TOKEN_CLASSES)}  # metrics.jsonl sorts its keys: back to the class order
+    classes = sorted(present, key=lambda c: (order.get(c, len(order)), c))
+    for c in classes:
+        rows = [m for m in lines if f"all_share_{c}" in m]
+        rates = [m[f"kept_rate_{c}"] for m in rows if f"kept_rate_{c}" in m]
+        out[c] = {"all": sum(m[f"all_share_{c}"] for m in rows) / len(rows),
+                  "kept": sum(m[f"kept_share_{c}"] for m in rows) / len(rows),
+                  "rate": sum(rates) / len(rates) if rates else None}
+    return out

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from forkrl.files import atomic_write
+from forkrl.report.data import SAMPLED_RESPONSES, SAMPLES_DIR, SHOWN_RESPONSES
 from forkrl.rl.entropy import token_logprobs_and_entropy
 from forkrl.rl.mask import forking_token_mask
 
@@ -49,9 +50,6 @@ __all__ = ["HIST_EDGES", "MAX_RANKED", "MAX_SHOWN_TOKENS", "SAMPLED_RESPONSES", 
 
 log = logging.getLogger("forkrl.report")
 
-SAMPLES_DIR = "eval_samples"
-SHOWN_RESPONSES = 4  # responses written token by token (the page shows them)
-SAMPLED_RESPONSES = 32  # responses teacher-forced at each eval: the histogram and the kept-token counts
 MAX_SHOWN_TOKENS = 512  # tokens of a shown response written (the rest count in the summary only)
 MAX_RANKED = 200  # kept-token texts written per eval step (the most frequent)
 # log-spaced entropy bins in nats, 4 per decade from 1e-4 to 100 (ln of any vocabulary size is < 100); entropies

@@ -24,8 +24,15 @@ from typing import Any
 
 from forkrl.files import atomic_write
 from forkrl.report.charts import Chart, Series, bar_chart, histogram_chart, line_chart
-from forkrl.report.data import RunData, kept_ranking, rank_moves, read_run
-from forkrl.report.record import SAMPLED_RESPONSES, SHOWN_RESPONSES
+from forkrl.report.data import (
+    SAMPLED_RESPONSES,
+    SHOWN_RESPONSES,
+    RunData,
+    kept_ranking,
+    mean_class_breakdown,
+    rank_moves,
+    read_run,
+)
 from forkrl.report.render import class_color, entropy_scale, render
 
 __all__ = ["REPORT_FILE", "render_run_report", "run_context", "write_run_report"]
@@ -91,8 +98,6 @@ def curves(run: RunData) -> list[Chart]:
 def class_section(run: RunData) -> dict[str, Any] | None:
     """What the mask keeps by class: the table (mean over steps), a bar chart of it, the shares over steps, and a
     sentence saying what they show; None when the task labels no classes."""
-    from forkrl.training.metrics import mean_class_breakdown
-
     shares = mean_class_breakdown(run.train)
     if not shares:
         return None

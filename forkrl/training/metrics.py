@@ -10,7 +10,7 @@ Lines are flushed per step, so nothing is lost when the trainer dies mid-run.
     sink.close()
 
     class_breakdown(labels, kept, classes)   # what the forking-token mask keeps, by answer-token class
-    mean_class_breakdown(train_lines)        # the same averaged over a run's steps (demo, benchmark)
+    # the same averaged over a run's steps: forkrl.report.data.mean_class_breakdown (demo, report, benchmark)
 
 The breakdown (when the task labels its answer tokens, forkrl/data/tasks.py:token_classes), per class c:
 `kept_share_<c>` = kept tokens of class c / all kept tokens, `all_share_<c>` = tokens of class c / all
@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from forkrl.data.problem import TOKEN_CLASSES
 from forkrl.training.loggers import Logger, TensorBoardLog, WandbLog
 
 EVAL_PROMPTS_FILE = "eval_prompts.jsonl"
@@ -138,18 +137,3 @@ def class_breakdown(labels: Sequence[Sequence[str]], kept: Sequence[Sequence[boo
     return out
 
 
-def mean_class_breakdown(lines: Sequence[dict]) -> dict[str, dict[str, float | None]]:
-    """{class: {"all", "kept", "rate"}}: the breakdown's shares averaged over the metrics lines that have them
-    (train steps of metrics.jsonl), the rate over the steps where the class occurred (None: never). {} without a
-    breakdown."""
-    out: dict[str, dict[str, float]] = {}
-    present = [k.removeprefix("all_share_") for k in (lines[0] if lines else {}) if k.startswith("all_share_")]
-    order = {c: i for i, c in enumerate(TOKEN_CLASSES)}  # metrics.jsonl sorts its keys: back to the class order
-    classes = sorted(present, key=lambda c: (order.get(c, len(order)), c))
-    for c in classes:
-        rows = [m for m in lines if f"all_share_{c}" in m]
-        rates = [m[f"kept_rate_{c}"] for m in rows if f"kept_rate_{c}" in m]
-        out[c] = {"all": sum(m[f"all_share_{c}"] for m in rows) / len(rows),
-                  "kept": sum(m[f"kept_share_{c}"] for m in rows) / len(rows),
-                  "rate": sum(rates) / len(rates) if rates else None}
-    return out

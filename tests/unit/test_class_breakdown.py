@@ -107,7 +107,7 @@ def test_no_breakdown_for_a_dataset():
 
 def test_mean_over_steps_and_the_demo_table():
     from clients.demo import class_table
-    from forkrl.training.metrics import mean_class_breakdown
+    from forkrl.report.data import mean_class_breakdown
 
     classes = ("computed", "eos", "other")
     steps = [class_breakdown([["computed", "eos"]], [[True, False]], classes),
