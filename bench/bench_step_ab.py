@@ -12,7 +12,7 @@ steps of that checkout's own `train_step` (forkrl/rl/step.py) and reports the me
 (forkrl/models/default, Llama) unless `--vocab` is given (then a random-init Qwen2 of `--hidden`/`--layers`).
 Batch: the tiny default recipe's shape (32 prompts x 8 samples, micro-batches of 64, grpo, micro-batch top-k
 0.2): prompts of 12-24 tokens, completions of 1-40. Prints every median and, per setting, the median over the
-reps and its range. Nothing asserts (docs/results.md has runs).
+reps and its range. Nothing asserts (docs/results-history.md has runs).
 """
 
 from __future__ import annotations
