@@ -110,6 +110,15 @@ _RULES: dict[str, Callable[[Any], LogitsPost]] = {
 }
 
 
+# known and refused, with the feature the train step does not reproduce (any other unknown type: the generic reason)
+_REFUSED = {
+    "falcon_h1": "its forward multiplies the logits by lm_head_multiplier and its Mamba layers keep a recurrent state",
+    "hyperclovax": "its forward multiplies the logits by logits_scaling",
+    "granitemoehybrid": "its Mamba layers keep a recurrent state, which a right-padded shared prompt would not give "
+                        "each row",
+}
+
+
 def supported_model_types() -> tuple[str, ...]:
     return tuple(sorted(_RULES))
 
@@ -122,6 +131,9 @@ def logits_post(config: Any) -> LogitsPost:
     if model_type is None:
         raise UnsupportedModel("its config names no model_type: forkrl computes log-probs from the last hidden "
                                "state and the lm_head and must know what the model does to its logits after the head")
+    if model_type in _REFUSED:
+        raise UnsupportedModel(f"model_type {model_type!r} is not supported: {_REFUSED[model_type]}, which forkrl's "
+                               "log-probs from the last hidden state and the lm_head do not reproduce")
     if rule is None:
         raise UnsupportedModel(
             f"model_type {model_type!r} is not supported: forkrl computes log-probs from the last hidden state "

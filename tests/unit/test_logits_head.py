@@ -45,7 +45,7 @@ from forkrl.rl.forward import shared_prefix_rows
 from forkrl.rl.head import LogitsPost, UnsupportedModel, attention_window, logits_post
 from forkrl.rl.step import _forward as train_step_forward
 from forkrl.training.config import RunConfig
-from forkrl.training.preflight import check_architecture
+from forkrl.training.preflight import check_architecture, preflight
 
 V = 37
 T = 0.7
@@ -189,11 +189,14 @@ def _falcon_h1() -> torch.nn.Module:
 
 def test_an_unknown_model_type_is_refused_by_name(tmp_path: Path) -> None:
     b = _grpo_batch()
-    with pytest.raises(UnsupportedModel, match="model_type 'falcon_h1' is not supported"):
+    with pytest.raises(UnsupportedModel, match="model_type 'falcon_h1' is not supported: its forward multiplies the "
+                                               "logits by lm_head_multiplier"):
         causal_lm_logprobs_and_entropy(_falcon_h1(), b.input_ids, b.attention_mask, b.response_mask)
     # at StartRun, from config.json, naming the setting and the model type
     for config, match in (({"model_type": "falcon_h1"}, "model: model_type 'falcon_h1' is not supported"),
-                          ({"model_type": "hyperclovax", "logits_scaling": 2.0}, "'hyperclovax' is not supported"),
+                          ({"model_type": "hyperclovax", "logits_scaling": 2.0},
+                           "'hyperclovax' is not supported: its forward multiplies the logits by logits_scaling"),
+                          ({"model_type": "bloom"}, "'bloom' is not supported: forkrl computes log-probs from"),
                           ({}, "model: its config names no model_type"),
                           ({"model_type": "gemma2", "final_logit_softcapping": -1.0},
                            "'gemma2': its final_logit_softcapping must be a number > 0, got -1.0"),
@@ -201,6 +204,9 @@ def test_an_unknown_model_type_is_refused_by_name(tmp_path: Path) -> None:
         (tmp_path / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=match):
             check_architecture(RunConfig(model=str(tmp_path)))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon_h1"}))
+    with pytest.raises(ValueError, match="model: model_type 'falcon_h1' is not supported: its forward multiplies"):
+        preflight(RunConfig(model=str(tmp_path)))  # StartRun's check (ValueError: INVALID_ARGUMENT)
     (tmp_path / "config.json").write_text(json.dumps(_model("gemma2-softcap").config.to_dict()))
     check_architecture(RunConfig(model=str(tmp_path)))  # a known one passes
 
