@@ -20,7 +20,8 @@ Two entry points:
   rule per model type in forkrl/rl/head.py, an unknown type refused), then logp and H
   (`hidden_logprobs_and_entropy`). A custom autograd function keeps only the hidden rows and one log-sum-exp
   per row for the backward and recomputes each chunk's logits there (§1.2): the extra memory is one chunk's
-  [chunk, V] temporaries, never [B, L, V] logits, their gradient or a stored log-softmax.
+  [chunk, V] temporaries (one more in the backward under soft-capping: its derivative), never [B, L, V] logits,
+  their gradient or a stored log-softmax.
 
 Causal shift: the logits at position p predict the token at p + 1. With model outputs `logits[B, L, V]`
 for `input_ids[B, L]`, use `shift_for_causal_lm` and slice any per-token mask the same way (`mask[:, 1:]`).
