@@ -21,14 +21,16 @@ gradient against the plain path in float64). The work saved is (G - 1) x the pro
 `shared_prefix_rows` returns None, and the caller runs the plain forward, when nothing repeats (no saving), the
 batch is not in build_batch's layout (forkrl/rl/batch.py: prompt then completion, right-padded), or the model's
 attention has a sliding window (forkrl/rl/head.py `attention_window`) that the second pass could cross: that
-pass's keys sit at the padded positions [0, P_max + w) of the cache, so a row with a shorter prompt sees its own
-prompt P_max - P tokens further away than it is, and HF's sliding mask (by cache position) and sliding cache layer
-(the last window - 1 keys) would hide keys the model's own forward attends to (Δlogp 0.05-0.09 measured on tiny
-Mistral / Gemma 2 with a window of 4). Only when P_max + w <= window is no key of any row out of reach in either
-forward, and the numbers are the plain forward's. Real windows (4,096) are crossed by long responses: those
-batches take the plain forward, which is the model's own. The train step
-uses it on one process and on replicated ranks; not under FSDP2 (a second forward before the backward would
-all-gather every layer twice) nor with activation checkpointing (HF's checkpointing turns the KV cache off).
+pass's keys sit at the padded positions [0, P_max + w) of the cache (w: the longest completion less its last
+token), so a row with a shorter prompt sees its own prompt P_max - P tokens further away than it is, and HF's
+sliding mask (by cache position) and sliding cache layer (the last window - 1 keys) would hide keys the model's own
+forward attends to (issue 42: Δlogp 0.05-0.09 on tiny Mistral / Gemma 2 with a window of 4). Only when
+P_max + w <= window is no key of any row out of reach in either forward, and the numbers are the plain forward's
+(tests/unit/test_logits_head.py: equal at P_max + w = window; forced one token past it, off by 0.006-0.16). Real
+windows (4,096) are crossed by long responses: those batches take the plain forward, which is the model's own.
+The train step uses it on one process and on replicated ranks; not under FSDP2 (a second forward before the
+backward would all-gather every layer twice) nor with activation checkpointing (HF's checkpointing turns the KV
+cache off).
 """
 
 from __future__ import annotations
