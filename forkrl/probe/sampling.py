@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from forkrl.data.prompts import run_reward_fn
 from forkrl.models.sampling import sample_tokens
 from forkrl.rl.entropy import token_logprobs_and_entropy
+from forkrl.rl.head import LogitsPost, UnsupportedModel, logits_post
 from forkrl.seeds import seeded_generator
 
 __all__ = [
@@ -177,8 +178,12 @@ def token_stats(
     device = next(model.parameters()).device
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     head = model.get_output_embeddings()
-    # models that post-process logits (soft-capping, scaling) go through the full forward instead
-    post = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale"))
+    # the model's own post-processing of its head's output (bias, scaling, soft-capping: the train step's rule,
+    # forkrl/rl/head.py); a model type it does not know goes through the full forward (its own logits)
+    try:
+        post: LogitsPost | None = logits_post(model.config)
+    except UnsupportedModel:
+        post = None
     results: list[TokenStats] = []
     for start in range(0, len(trajs), batch_size):
         chunk = trajs[start : start + batch_size]
@@ -194,7 +199,7 @@ def token_stats(
         b_idx = torch.tensor(rows_b, dtype=torch.long, device=device)
         p_idx = torch.tensor(rows_p, dtype=torch.long, device=device)
         targets = ids[b_idx, p_idx + 1]
-        use_hidden = decoder is not None and head is not None and not post
+        use_hidden = decoder is not None and head is not None and post is not None
         if use_hidden:
             rows = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[b_idx, p_idx]
         else:
@@ -202,7 +207,7 @@ def token_stats(
         ents, logps, ents1 = [], [], []
         for s in range(0, len(rows_b), chunk_rows):
             e = min(s + chunk_rows, len(rows_b))
-            logits = head(rows[s:e]) if use_hidden else rows[s:e]
+            logits = post.apply_(head(rows[s:e])) if post is not None and use_hidden else rows[s:e]
             lp, h = _logp_entropy(logits, targets[s:e], temperature)
             logps.append(lp)
             ents.append(h)

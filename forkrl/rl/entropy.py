@@ -15,10 +15,13 @@ Two entry points:
 - `token_logprobs_and_entropy(logits, targets)`: from logits the caller already has (the probe).
 - `causal_lm_logprobs_and_entropy(model, input_ids, attention_mask, response_mask)` (the train step): runs the
   HF causal LM's own forward with its lm_head applied to no position, takes the final hidden states of the
-  response positions and computes, chunk by chunk, z = h_chunk @ W_lmᵀ, then logp and H
+  response positions and computes, chunk by chunk, the model's own logits z = post(h_chunk @ W_lmᵀ + b_lm) (the
+  head's bias if it has one; `post` the scaling / soft-capping the model's forward applies after its head, one
+  rule per model type in forkrl/rl/head.py, an unknown type refused), then logp and H
   (`hidden_logprobs_and_entropy`). A custom autograd function keeps only the hidden rows and one log-sum-exp
   per row for the backward and recomputes each chunk's logits there (§1.2): the extra memory is one chunk's
-  [chunk, V] temporaries, never [B, L, V] logits, their gradient or a stored log-softmax.
+  [chunk, V] temporaries (one more in the backward under soft-capping: its derivative), never [B, L, V] logits,
+  their gradient or a stored log-softmax.
 
 Causal shift: the logits at position p predict the token at p + 1. With model outputs `logits[B, L, V]`
 for `input_ids[B, L]`, use `shift_for_causal_lm` and slice any per-token mask the same way (`mask[:, 1:]`).
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from forkrl.rl.forward import final_hidden_states, shared_prefix_rows
+from forkrl.rl.head import LogitsPost, logits_post
 
 __all__ = ["causal_lm_logprobs_and_entropy", "hidden_logprobs_and_entropy", "shift_for_causal_lm",
            "token_logprobs_and_entropy"]
@@ -127,26 +131,32 @@ def token_logprobs_and_entropy(
     return logp, entropy
 
 
-def _scaled_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
-    """s = (hidden @ weightᵀ in their dtype, then upcast) / T: the logits exactly as the model's lm_head gives
-    them (bf16 under mixed precision, as the engine serves them), then the fp32 math of §1.1. A fresh tensor."""
-    z = F.linear(hidden, weight)
-    s = z.to(_compute_dtype(z.dtype))
-    return s.div_(temperature) if temperature != 1.0 else s
+def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, post: LogitsPost, temperature: float,
+                   with_factor: bool = False) -> tuple[Tensor, Tensor | float]:
+    """s = logits / T, the logits exactly as the model's forward gives them (lm_head = hidden @ weightᵀ + bias in
+    their dtype, bf16 under mixed precision as the engine serves them; then upcast and the model's post-processing,
+    forkrl/rl/head.py), then the fp32 math of §1.1. A fresh tensor; with_factor: also d logits / d lm_head
+    (`LogitsPost.grad_factor`: a float, or a fresh tensor under soft-capping), else 1.0."""
+    z = F.linear(hidden, weight, bias)
+    s = post.apply_(z.to(_compute_dtype(z.dtype)))
+    factor = post.grad_factor(s) if with_factor else 1.0
+    return (s.div_(temperature) if temperature != 1.0 else s), factor
 
 
 class _LinearLogprobs(torch.autograd.Function):
-    """(hidden [n, h], weight [V, h], targets [n]) -> (logp [n], entropy [n] or [0]) chunk by chunk.
+    """(hidden [n, h], weight [V, h], bias [V] or None, targets [n]) -> (logp [n], entropy [n] or [0]) chunk by
+    chunk, the logits post-processed as the model does (`post`).
 
-    Saved for the backward: the inputs (hidden rows, a reference to the weight) and lse [n]; the backward
-    recomputes each chunk's logits and applies d logp / d z = (onehot(o) - softmax(s)) / T, then the linear
-    map's two products: d hidden = dz @ W (per chunk), d W = sum over chunks of dzᵀ @ h_chunk (accumulated in
-    fp32: in place when W is fp32, in an fp32 buffer when it is narrower, cast once at the end).
+    Saved for the backward: the inputs (hidden rows, references to the weight and bias) and lse [n]; the backward
+    recomputes each chunk's logits and applies d logp / d s = onehot(o) - softmax(s), / T, x d logits / d lm_head
+    (the post-processing's factor), then the linear map's products: d hidden = dz @ W (per chunk),
+    d W = sum over chunks of dzᵀ @ h_chunk and d b = sum over rows of dz (accumulated in fp32: in place when W is
+    fp32, in an fp32 buffer when it is narrower, cast once at the end).
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int,
-                with_entropy: bool) -> tuple[Tensor, Tensor]:
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+                chunk_size: int, with_entropy: bool, post: LogitsPost) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         cdt = _compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
         logp = torch.empty(n, dtype=cdt, device=hidden.device)
@@ -154,7 +164,7 @@ class _LinearLogprobs(torch.autograd.Function):
         ent = torch.empty(n if with_entropy else 0, dtype=cdt, device=hidden.device)
         for a in range(0, n, chunk_size):
             b = min(a + chunk_size, n)
-            s = _scaled_logits(hidden[a:b], weight, temperature)
+            s, _ = _scaled_logits(hidden[a:b], weight, bias, post, temperature)
             lse_c = torch.logsumexp(s, dim=-1)
             logq = s.sub_(lse_c.unsqueeze(-1))  # in place: s is no longer needed
             logp[a:b] = logq.gather(-1, targets[a:b].unsqueeze(-1)).squeeze(-1)
@@ -162,25 +172,32 @@ class _LinearLogprobs(torch.autograd.Function):
             if with_entropy:
                 ent[a:b] = _entropy_of(logq)
             del s, logq  # before the next chunk's logits exist: one chunk's [chunk, V] at a time
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk_size, ctx.post = temperature, chunk_size, post
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp: Tensor, _g_ent: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        t, n = ctx.temperature, hidden.shape[0]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        t, n, post = ctx.temperature, hidden.shape[0], ctx.post
         grad_h = torch.empty_like(hidden) if need_h else None
         acc = torch.zeros(weight.shape, dtype=_compute_dtype(weight.dtype), device=weight.device) if need_w \
             else None
+        acc_b = torch.zeros(bias.shape, dtype=_compute_dtype(bias.dtype), device=bias.device) if need_b else None
         for a in range(0, n, ctx.chunk_size):
             b = min(a + ctx.chunk_size, n)
             g = g_logp[a:b].to(lse.dtype).unsqueeze(-1)
-            p = _scaled_logits(hidden[a:b], weight, t).sub_(lse[a:b].unsqueeze(-1)).exp_()  # softmax(s)
+            s, factor = _scaled_logits(hidden[a:b], weight, bias, post, t, with_factor=True)
+            p = s.sub_(lse[a:b].unsqueeze(-1)).exp_()  # softmax(s)
             ds = p.mul_(-g).scatter_add_(-1, targets[a:b].unsqueeze(-1), g)  # g (onehot - p)
-            dz = (ds.div_(t) if t != 1.0 else ds).to(hidden.dtype)
+            if t != 1.0:
+                ds.div_(t)
+            if not (isinstance(factor, float) and factor == 1.0):
+                ds.mul_(factor)  # d logits / d lm_head(h): the post-processing's chain rule
+            dz = ds.to(hidden.dtype)
             if grad_h is not None:
                 grad_h[a:b] = dz @ weight
             if acc is not None:
@@ -188,9 +205,12 @@ class _LinearLogprobs(torch.autograd.Function):
                     acc.addmm_(dz.t(), hidden[a:b])
                 else:
                     acc.add_(dz.t() @ hidden[a:b])
-            del p, ds, dz  # before the next chunk's logits exist
+            if acc_b is not None:
+                acc_b.add_(dz.sum(0))
+            del s, factor, p, ds, dz  # before the next chunk's logits exist
         grad_w = acc.to(weight.dtype) if acc is not None else None
-        return grad_h, grad_w, None, None, None, None
+        grad_b = acc_b.to(bias.dtype) if acc_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def hidden_logprobs_and_entropy(
@@ -200,18 +220,23 @@ def hidden_logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = True,
+    *,
+    bias: Tensor | None = None,
+    post: LogitsPost | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """logp and entropy of rows whose logits are hidden @ weightᵀ, without materializing more than one chunk of
-    logits, in the forward or the backward (module docstring).
+    """logp and entropy of rows whose logits are post(hidden @ weightᵀ + bias), without materializing more than
+    one chunk of logits, in the forward or the backward (module docstring).
 
     Args:
         hidden: [n, h] final hidden states of the scored positions (bf16/fp32/fp64).
         weight: [V, h] the lm_head weight (tied embeddings: the same tensor as the input embeddings).
         targets: [n] integer token ids.
         temperature, chunk_size, with_entropy: as for `token_logprobs_and_entropy`.
+        bias: [V] the lm_head's bias, if it has one.
+        post: what the model does to the head's output (forkrl/rl/head.py `logits_post`); None: nothing.
 
     Returns:
-        logp: [n] fp32 (fp64 for fp64 inputs), differentiable w.r.t. hidden and weight.
+        logp: [n] fp32 (fp64 for fp64 inputs), differentiable w.r.t. hidden, weight and bias.
         entropy: [n] same dtype, detached, >= 0 (or None when with_entropy is False).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
@@ -226,7 +251,11 @@ def hidden_logprobs_and_entropy(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    logp, ent = _LinearLogprobs.apply(hidden, weight, targets.long(), float(temperature), chunk_size, with_entropy)
+    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be a floating-point [V] = ({weight.shape[0]},) tensor, got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    logp, ent = _LinearLogprobs.apply(hidden, weight, bias, targets.long(), float(temperature), chunk_size,
+                                      with_entropy, post or LogitsPost())
     return logp, (ent if with_entropy else None)
 
 
@@ -245,7 +274,9 @@ def causal_lm_logprobs_and_entropy(
     where the batch repeats prompts; otherwise the plain forward.
 
     Args:
-        model: an HF causal LM (its `get_decoder()` output and `get_output_embeddings().weight`).
+        model: an HF causal LM (its `get_decoder()` output, `get_output_embeddings()`'s weight and bias, and what
+            its forward does to the logits after the head: forkrl/rl/head.py; UnsupportedModel for a model type
+            it does not know, before any forward).
         input_ids, attention_mask: [B, L]. response_mask: [B, L-1] bool over the *targets* input_ids[:, 1:].
     Returns:
         logp [B, L-1] fp32 (fp64 for an fp64 model), differentiable (w.r.t. the model's parameters); entropy
@@ -257,6 +288,8 @@ def causal_lm_logprobs_and_entropy(
     if input_ids.dim() != 2 or tuple(response_mask.shape) != (input_ids.shape[0], input_ids.shape[1] - 1):
         raise ValueError(f"response_mask must be [B, L-1] for input_ids [B, L]; got {tuple(response_mask.shape)} "
                          f"and {tuple(input_ids.shape)}")
+    post = logits_post(model.config)  # first: an unknown model is refused before any work
+    head = model.get_output_embeddings()  # type: ignore[operator]
     rows = None
     if share_prefix:
         rows = shared_prefix_rows(model, input_ids, attention_mask, response_mask)
@@ -264,9 +297,8 @@ def causal_lm_logprobs_and_entropy(
         hidden = final_hidden_states(model, input_ids, attention_mask)
         rows = hidden[:, :-1][response_mask]  # [n, h]: a copy of the scored rows only
         del hidden
-    weight = model.get_output_embeddings().weight  # type: ignore[operator]
-    lp, ent = hidden_logprobs_and_entropy(rows, weight, input_ids[:, 1:][response_mask], temperature, chunk_size,
-                                          with_entropy)
+    lp, ent = hidden_logprobs_and_entropy(rows, head.weight, input_ids[:, 1:][response_mask], temperature, chunk_size,
+                                          with_entropy, bias=getattr(head, "bias", None), post=post)
     idx = response_mask.reshape(-1).nonzero().squeeze(-1)
     zeros = torch.zeros(response_mask.numel(), dtype=lp.dtype, device=lp.device)
     # out of place: the graph reaches the rows through index_put, also when there are none (a rank's empty share)

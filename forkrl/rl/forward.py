@@ -18,16 +18,27 @@ The scored rows come back in the order of `hidden[:, :-1][response_mask]` of the
 float rounding (the same math on other matmul shapes; tests/unit/test_prefix.py checks logp, entropy and every
 gradient against the plain path in float64). The work saved is (G - 1) x the prompt tokens of each group.
 
-`shared_prefix_rows` returns None, and the caller runs the plain forward, when nothing repeats (no saving) or the
-batch is not in build_batch's layout (forkrl/rl/batch.py: prompt then completion, right-padded). The train step
-uses it on one process and on replicated ranks; not under FSDP2 (a second forward before the backward would
-all-gather every layer twice) nor with activation checkpointing (HF's checkpointing turns the KV cache off).
+`shared_prefix_rows` returns None, and the caller runs the plain forward, when nothing repeats (no saving), the
+batch is not in build_batch's layout (forkrl/rl/batch.py: prompt then completion, right-padded), or the model's
+attention has a sliding window (forkrl/rl/head.py `attention_window`) that the second pass could cross: that
+pass's keys sit at the padded positions [0, P_max + w) of the cache (w: the longest completion less its last
+token), so a row with a shorter prompt sees its own prompt P_max - P tokens further away than it is, and HF's
+sliding mask (by cache position) and sliding cache layer (the last window - 1 keys) would hide keys the model's own
+forward attends to (issue 42: Δlogp 0.05-0.09 on tiny Mistral / Gemma 2 with a window of 4). Only when
+P_max + w <= window is no key of any row out of reach in either forward, and the numbers are the plain forward's
+(tests/unit/test_logits_head.py: equal at P_max + w = window; forced one token past it, off by 0.006-0.16). Real
+windows (4,096) are crossed by long responses: those batches take the plain forward, which is the model's own.
+The train step uses it on one process and on replicated ranks; not under FSDP2 (a second forward before the
+backward would all-gather every layer twice) nor with activation checkpointing (HF's checkpointing turns the KV
+cache off).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from forkrl.rl.head import attention_window
 
 __all__ = ["decoder_forward", "final_hidden_states", "shared_prefix_rows"]
 
@@ -71,6 +82,9 @@ def shared_prefix_rows(model: torch.nn.Module, input_ids: Tensor, attention_mask
         return None
     first = response_mask[rows].int().argmax(dim=1)
     plen, clen = first + 1, counts[rows]
+    window = attention_window(model.config)  # type: ignore[union-attr]
+    if window is not None and int(plen.max()) + int(clen.max()) - 1 > window:
+        return None  # a sliding window the padded second pass could cross (module docstring): the plain forward
     # build_batch's layout: attention over exactly [0, P + C), the targets P-1 .. P+C-2 all scored
     width = input_ids.shape[1]
     pos = torch.arange(width, device=device)

@@ -21,6 +21,7 @@ from forkrl.data.prompts import check_prompt_format, check_reward_format
 from forkrl.data.rewards import get_reward_fn
 from forkrl.data.tasks import DEFAULT_TASK, get_task
 from forkrl.models.tiny import default_model_dir
+from forkrl.rl.head import logits_post
 from forkrl.training.config import RunConfig
 from forkrl.training.rules import RunRules, confine_run
 from forkrl.weights.checkpoint import latest_checkpoint
@@ -76,6 +77,23 @@ def check_context(cfg: RunConfig) -> None:
                          f"max_position_embeddings is {context:,} (prompt tokens included)")
 
 
+def check_architecture(cfg: RunConfig) -> None:
+    """ValueError naming the model type when the train step cannot compute the model's own log-probs from its hidden
+    states: a model type whose logits post-processing forkrl does not know (forkrl/rl/head.py), or a bad value
+    of the setting it reads (a soft-cap or scale that is not a number > 0)."""
+    path = Path(cfg.model) / "config.json"
+    try:
+        model_config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model: {str(path)!r} could not be read as JSON: {e}") from None
+    if not isinstance(model_config, dict):
+        raise ValueError(f"model: {str(path)!r} is not a JSON object")
+    try:
+        logits_post(model_config)
+    except ValueError as e:
+        raise ValueError(f"model: {e}") from None
+
+
 def preflight(cfg: RunConfig, rules: RunRules | None = None) -> RunConfig:
     """The resolved config, after the checks that need the filesystem: a bad run fails before it starts.
     With `rules` (the trainer service always passes its own) paths, rollout addresses and the reward are
@@ -94,6 +112,7 @@ def preflight(cfg: RunConfig, rules: RunRules | None = None) -> RunConfig:
     for bench in cfg.eval_dataset:
         load_benchmark(bench, fields)
     check_context(cfg)
+    check_architecture(cfg)
     check_prompt_format(cfg.model, cfg.prompt_format, cfg.system_prompt)  # a chat format needs a chat template
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)

@@ -52,6 +52,13 @@ def test_bad_start_run_fields_and_second_run(rollout_address, trainer, tiny_mode
         code, msg = _code(lambda: stub.StartRun(trainer_pb2.StartRunRequest(config=missing), timeout=30))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "config.json" in msg
 
+        foreign = tmp_path / "falcon"  # a model type whose log-probs the train step cannot match (forkrl/rl/head.py)
+        foreign.mkdir()
+        (foreign / "config.json").write_text('{"model_type": "falcon_h1"}')
+        unmatched = to_proto(RunConfig(model=str(foreign), rollout_addresses=[rollout_address]))
+        code, msg = _code(lambda: stub.StartRun(trainer_pb2.StartRunRequest(config=unmatched), timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "model_type 'falcon_h1' is not supported" in msg
+
         long_run = RunConfig(model=str(tiny_model_dir), rollout_addresses=[rollout_address], num_steps=1000,
                              **SMALL)
         first = stub.StartRun(trainer_pb2.StartRunRequest(config=to_proto(long_run)), timeout=60)

@@ -161,7 +161,7 @@ def test_scored_batch_metrics_by_hand() -> None:
 def _model_dir(tmp_path: Path) -> Path:
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
     return model
 
 
