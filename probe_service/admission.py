@@ -4,7 +4,8 @@ checked against what this service allows, and planned by the core.
     plan = admit(params, settings)     # RequestError(status, message) when refused
 
 1. rewards: only the built-in ones unless the operator set allow_custom_rewards (a custom reward is code
-   the request names);
+   the request names); sampler rollout: its rollout_address must be one of the service's rollout_addresses
+   (the job sends the service's token there; 400 otherwise, before anything connects);
 2. `forkrl.probe.plan_probe` resolves the checkpoints, dataset, task and reward, passing every path it will
    read through `inside_roots` first: '..' is 400, a path (or a symlink, or a file in a checkpoint) that
    resolves outside the allowed roots is 403;
@@ -24,6 +25,7 @@ from forkrl.probe.checkpoints import CheckpointNotFound, Confine, PathNotFound, 
 from forkrl.probe.job import ProbePlan, plan_probe
 from forkrl.probe.params import ProbeParams
 from forkrl.security import OutsideRoots, confine_path
+from forkrl.training.rules import address_allowed
 from probe_service.config import ProbeSettings
 
 __all__ = ["RequestError", "admit", "check_bounds", "inside_roots"]
@@ -77,6 +79,11 @@ def admit(params: ProbeParams, settings: ProbeSettings) -> ProbePlan:
     """The plan of an allowed request, or RequestError."""
     if params.reward and params.reward not in BUILTIN_REWARDS and not settings.allow_custom_rewards:
         raise RequestError(400, f"reward {params.reward!r} is not allowed; use {' or '.join(BUILTIN_REWARDS)}")
+    if params.sampler == "rollout" and not address_allowed(params.rollout_address, tuple(settings.rollout_addresses)):
+        raise RequestError(400, f"rollout_address {params.rollout_address!r} is not one of the probe service's "
+                                f"rollout_addresses {settings.rollout_addresses} (--rollout-addresses, "
+                                "PROBE_ROLLOUT_ADDRESSES): a job sends the service's token and its prompts only to "
+                                "the rollout services it is configured with")
     try:
         plan = plan_probe(params, inside_roots(settings.resolved_roots()))
     except CheckpointNotFound as exc:

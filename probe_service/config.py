@@ -42,10 +42,18 @@ class ProbeSettings(TokenSettings):
     """torch threads for sampling and gradients (kept after a vLLM engine: forkrl/probe/engines.py)."""
     device: str = "auto"
     """torch device for jobs: auto (cuda if present), cpu, cuda."""
+    job_ttl_s: float = Field(7 * 86400.0, gt=0)
+    """Seconds a finished job (done, failed, cancelled) is kept after it ended: then it is forgotten (GET: 404)
+    and its output directory under jobs_dir is deleted (default 7 days). Checked about every min(60, ttl/4) s
+    and at start-up, so a restart also removes expired jobs."""
     wait_timeout_s: float = Field(3600.0, gt=0)
     """Longest time POST /probe?wait=true blocks before answering 202."""
     allow_custom_rewards: bool = False
     """Accept reward='package.module:function' in requests (imports and runs that code)."""
+    rollout_addresses: Annotated[list[str], NoDecode] = ["127.0.0.1:50051"]
+    """The rollout services a job with sampler 'rollout' may use (comma-separated host:port; host:* allows any
+    port of that host; the trainer's rule, forkrl/training/rules.py). The job sends this service's token and its
+    prompts there, so any other rollout_address is refused (400)."""
     max_job_samples: int = Field(8192, ge=1)
     """Largest checkpoints x num_prompts x num_samples one job may sample (POST /probe: 422 beyond)."""
     max_job_tokens: int = Field(1 << 24, ge=1)
@@ -62,7 +70,7 @@ class ProbeSettings(TokenSettings):
     log_level: str = "info"
     """uvicorn log level."""
 
-    @field_validator("allowed_roots", "allowed_hosts", mode="before")
+    @field_validator("allowed_roots", "allowed_hosts", "rollout_addresses", mode="before")
     @classmethod
     def _split_roots(cls, v: object) -> object:
         # PROBE_ALLOWED_ROOTS=a,b arrives as one string (NoDecode: not JSON); the CLI splits commas itself

@@ -2,10 +2,12 @@
 and planned) before they get here, by `probe_service.admission`.
 
 A job's outputs go to <jobs_dir>/<id>/ (the files of `forkrl.probe.job.run_probe`) plus job.json, its status,
-written when the job is accepted, when it starts and when it ends. Jobs are kept in memory for the life of the
-process and reloaded from job.json at start-up, so GET keeps working after a restart. A job that was queued or
-running when the process died (kill -9, a crash, a stop) is reloaded as failed, with an error saying so: never
-silently lost. It is not requeued: the plan is not stored, and the client that submitted it decides.
+written when the job is accepted, when it starts and when it ends. Jobs are kept in memory and reloaded from
+job.json at start-up, so GET keeps working after a restart; a finished job expires job_ttl_s after it ended (a
+sweeper thread, and the start-up load): it is forgotten and its directory deleted, so jobs never fill the disk.
+A job that was queued or running when the process died (kill -9, a crash, a stop) is reloaded as failed, with an
+error saying so: never silently lost. It is not requeued: the plan is not stored,
+and the client that submitted it decides.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import shutil
 import threading
 import time
 import uuid
@@ -108,6 +111,7 @@ class JobManager:
         self._lock = threading.Lock()
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._workers: list[threading.Thread] = []
+        self._stopping = threading.Event()
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(self))
         self.m_records = Counter("probe_records", "Token probe records computed", registry=self.registry)
@@ -128,13 +132,17 @@ class JobManager:
             t = threading.Thread(target=self._worker, name=f"probe-worker-{i}", daemon=True)
             t.start()
             self._workers.append(t)
+        sweeper = threading.Thread(target=self._sweep, name="probe-job-ttl", daemon=True)
+        sweeper.start()
+        self._workers.append(sweeper)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
         with self._lock:
             for job in self._jobs.values():
                 if job.state not in FINAL:
                     job.cancel_event.set()
-        for _ in self._workers:
+        for _ in range(self.settings.max_concurrent_jobs):
             self._queue.put(None)
         for t in self._workers:
             t.join(timeout_s)
@@ -186,7 +194,30 @@ class JobManager:
                 self._finish(job, "cancelled", stage="cancelled before it started")
         return job
 
+    def expire(self, now: float | None = None) -> list[str]:
+        """Forget the finished jobs that ended more than job_ttl_s ago and delete their directories; returns their
+        ids."""
+        now = time.time() if now is None else now
+        with self._lock:
+            old = [j for j in self._jobs.values()
+                   if j.state in FINAL and now - (j.finished_at or j.created_at) > self.settings.job_ttl_s]
+            for j in old:
+                del self._jobs[j.id]
+        for j in old:
+            if j.out_dir.parent == self.jobs_dir:  # only a job directory of ours
+                shutil.rmtree(j.out_dir, ignore_errors=True)
+            log.info("probe job %s expired (job_ttl_s %g): removed", j.id, self.settings.job_ttl_s)
+        return [j.id for j in old]
+
     # ---- internals
+    def _sweep(self) -> None:
+        every = min(60.0, max(self.settings.job_ttl_s / 4, 0.05))
+        while not self._stopping.wait(every):
+            try:
+                self.expire()
+            except Exception:  # a sweep that failed is retried at the next; the service keeps running
+                log.exception("expiring probe jobs failed")
+
     def _worker(self) -> None:
         while True:
             job = self._queue.get()
@@ -268,3 +299,4 @@ class JobManager:
                 self._jobs[job.id] = job
             except (OSError, ValueError, KeyError, TypeError):
                 log.warning("ignoring unreadable %s", f)
+        self.expire()

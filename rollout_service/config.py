@@ -81,11 +81,14 @@ class RolloutSettings(TokenSettings):
     max_model_len)."""
     allowed_roots: Annotated[list[str], NoDecode] = ["runs", "models"]
     """Directories LoadWeights may read (comma-separated), besides the served model's own directory and the
-    shared-memory sync dir (/dev/shm/forkrl-sync, FORKRL_SYNC_DIR; the trainer's --weight-sync auto/shm). A
-    path must resolve, symlinks followed, inside one of them (the trainer's runs_root, for --weight-sync path)."""
+    shared-memory sync dir (/dev/shm/forkrl-sync-<uid>, FORKRL_SYNC_DIR; the trainer's --weight-sync auto/shm; only
+    while it is this user's alone: owned by this uid, mode 0700). A path must resolve, symlinks followed, inside one
+    of them (the trainer's runs_root, for --weight-sync path)."""
     staging_dir: str | None = None
-    """Where pushed weights are assembled as a safetensors file before the reload (default: /dev/shm
-    when writable, so the engine reads them from memory; else <cache>/weights-staging)."""
+    """Where pushed weights are assembled as a safetensors file before the reload (default:
+    /dev/shm/forkrl-rollout-<uid> when /dev/shm is writable, so the engine reads them from memory; else
+    <cache>/weights-staging). Created 0700; an existing one owned by another user, a symlink, or with a group/other
+    write bit is refused at start-up (forkrl/weights/shm.py private_dir)."""
     lease_timeout_s: float = Field(900.0, gt=0)
     """The rollout lease (the run whose pushes it accepts) expires after this many seconds without a push from
     its run; a run releases it itself when it ends."""
@@ -111,11 +114,12 @@ class RolloutSettings(TokenSettings):
         return v
 
     def load_roots(self) -> list[Path]:
-        """Real paths LoadWeights may read: allowed_roots, the served model's directory and the sync dir."""
-        from forkrl.weights.shm import default_sync_dir  # imports torch: called per LoadWeights, not at --help
+        """Real paths LoadWeights may read: allowed_roots, the served model's directory and the sync dir (only when
+        it is this user's alone: another user's folder there could hold any weights)."""
+        from forkrl.weights.shm import default_sync_dir, is_private_dir  # imports torch: per LoadWeights
 
         sync = default_sync_dir()
-        extra = [sync] if sync is not None else []
+        extra = [sync] if sync is not None and is_private_dir(sync) else []
         return [Path(r).expanduser().resolve() for r in (*self.allowed_roots, self.model, *extra)]
 
 

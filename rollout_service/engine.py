@@ -56,6 +56,7 @@ from forkrl.weights.safetensors import (
     iter_safetensors,
     read_checkpoint_specs,
 )
+from forkrl.weights.shm import private_dir
 from rollout_service.gate import SwapGate
 from rollout_service.receive import default_staging_dir, received_weights
 from rollout_service.transfer import WeightTransfer
@@ -98,7 +99,7 @@ class RolloutEngine:
         self.counters = Counters()
         self.max_samples_per_request = max_samples_per_request
         self.staging_dir = Path(staging_dir) if staging_dir else default_staging_dir()
-        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.staging_dir)  # 0700, this user's: UnsafeDirectory for a folder another user could write
         self._on_serving = on_serving
         self.gate = SwapGate()
         self.apply_lock = asyncio.Lock()

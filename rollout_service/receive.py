@@ -29,9 +29,10 @@ log = logging.getLogger("rollout_service")
 
 
 def default_staging_dir() -> Path:
+    """/dev/shm/forkrl-rollout-<uid> (per user: the engine reloads what is in it), else <cache>/weights-staging."""
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm / "forkrl-rollout"
+        return shm / f"forkrl-rollout-{os.geteuid()}"
     from forkrl.runtime import cache_dir
 
     return cache_dir() / "weights-staging"

@@ -200,19 +200,38 @@ def sample_with_rollout(
     eos_ids: Iterable[int],
     top_p: float = 1.0,
     timeout_s: float = 3600.0,
+    check: Callable[[], None] | None = None,
 ) -> list[Trajectory]:
     """`group_size` samples per prompt from a running rollout service (whose model must be the probed
-    checkpoint), prompt-major; the service seeds sample g of prompt i with sample_seed(seed, i, g)."""
-    from forkrl.remote.rollout import RolloutClient
+    checkpoint), prompt-major; the service seeds sample g of prompt i with sample_seed(seed, i, g).
+    `check` (the job's cancel check: raises when cancelled) is polled while the service is awaited and while the
+    stream runs, even when no answer comes: the call is cancelled and `check`'s exception raised within ~0.1 s,
+    so a cancelled job never holds its worker until `timeout_s`."""
+    from forkrl.remote.rollout import CallStopped, RolloutClient
 
+    def should_stop() -> bool:
+        try:
+            check()  # type: ignore[misc]
+        except Exception:
+            return True
+        return False
+
+    stop = should_stop if check is not None else None
     eos = sorted({int(e) for e in eos_ids})
     rows = _rows(prompt_ids, group_size)
     got: dict[tuple[int, int], list[int]] = {}
-    with RolloutClient(address, timeout_s=timeout_s) as client:
-        client.wait_ready(timeout_s=min(timeout_s, 300.0))
-        for t in client.generate([list(p) for p in prompt_ids], n=group_size, temperature=temperature,
-                                 top_p=top_p, max_new_tokens=max_new_tokens, seed=seed):  # fmt: skip
-            got[(int(t.prompt_index), int(t.sample_index))] = list(t.completion_token_ids)
+    try:
+        with RolloutClient(address, timeout_s=timeout_s) as client:
+            client.wait_ready(timeout_s=min(timeout_s, 300.0), should_stop=stop)
+            for t in client.generate([list(p) for p in prompt_ids], n=group_size, temperature=temperature,
+                                     top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, should_stop=stop):
+                got[(int(t.prompt_index), int(t.sample_index))] = list(t.completion_token_ids)
+                if check is not None:
+                    check()
+    except CallStopped:
+        if check is not None:
+            check()  # raises the job's own cancellation
+        raise
     missing = [(i, g) for i, g, _ in rows if (i, g) not in got]
     if missing:
         raise RuntimeError(f"rollout service {address} returned no sample for (prompt, sample) {missing[:5]}")

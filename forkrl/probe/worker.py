@@ -198,7 +198,7 @@ class CheckpointProbe:
             self.timings.update({f"vllm_{k}": v for k, v in vt.items()})
             return out
         if self.sampler == "rollout":
-            return sample_with_rollout(p.rollout_address, ids, **kw)
+            return sample_with_rollout(p.rollout_address, ids, check=self.prog.check, **kw)
         return sample_trajectories(model, ids, pad_id=pad, batch_size=p.sample_batch_size, check=self.prog.check,
                                    **kw)  # fmt: skip
 

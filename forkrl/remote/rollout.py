@@ -21,6 +21,8 @@ FORKRL_TLS_CA names the CA of the service's certificate (forkrl.remote.channel.g
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +37,37 @@ from forkrl.wire.rollout.v1 import rollout_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 _MAX_MESSAGE = 64 << 20
+STOP_POLL_S = 0.1  # how often a call with `should_stop` checks it
+
+
+class CallStopped(Exception):
+    """A call cancelled because its `should_stop` said so (the caller's cancellation, not a fault)."""
+
+
+@contextlib.contextmanager
+def _cancel_when(should_stop: Callable[[], bool] | None, call: Any) -> Iterator[threading.Event]:
+    """While inside, a watcher thread cancels the gRPC `call` (a streaming call or a future) as soon as
+    `should_stop()` is true; yields the event set when it did. A call blocked on a service that never answers
+    is ended this way within STOP_POLL_S of the stop, not at its deadline."""
+    stopped, done = threading.Event(), threading.Event()
+    if should_stop is None:
+        yield stopped
+        return
+
+    def watch() -> None:
+        while not done.wait(STOP_POLL_S):
+            if should_stop():
+                stopped.set()
+                call.cancel()
+                return
+
+    watcher = threading.Thread(target=watch, name="forkrl-call-stop", daemon=True)
+    watcher.start()
+    try:
+        yield stopped
+    finally:
+        done.set()
+        watcher.join()
 
 
 class RolloutClient:
@@ -87,18 +120,23 @@ class RolloutClient:
         """The service's health status (health_pb2.HealthCheckResponse.SERVING == 1)."""
         return self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s).status
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Block until health says SERVING (the engine is loaded and no weight swap is running)."""
+    def wait_ready(self, timeout_s: float = 300.0, *, should_stop: Callable[[], bool] | None = None) -> None:
+        """Block until health says SERVING (the engine is loaded and no weight swap is running). `should_stop`:
+        checked while waiting, also during a health call that gets no answer; true -> CallStopped."""
         deadline = time.monotonic() + timeout_s
         last: object = None
         while time.monotonic() < deadline:
-            try:
-                if self.health(timeout_s=min(5.0, max(deadline - time.monotonic(), 0.01))) == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last = "NOT_SERVING"
-            except grpc.RpcError as e:
-                last = e.code()
+            future = self._health.Check.future(health_pb2.HealthCheckRequest(service=""),
+                                               timeout=min(5.0, max(deadline - time.monotonic(), 0.01)))
+            with _cancel_when(should_stop, future) as stopped:
+                try:
+                    if future.result().status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                    last = "NOT_SERVING"
+                except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                    last = e.code() if isinstance(e, grpc.RpcError) else "CANCELLED"
+            if stopped.is_set() or (should_stop is not None and should_stop()):
+                raise CallStopped(f"stopped while waiting for rollout service {self.address} to be SERVING")
             time.sleep(0.2)
         raise TimeoutError(f"rollout service {self.address} not SERVING after {timeout_s:.0f} s (last: {last})")
 
@@ -115,9 +153,12 @@ class RolloutClient:
         prompt_offsets: Sequence[int] = (),
         request_tag: str = "",
         timeout_s: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[pb.Trajectory]:
         """Yield len(prompts) * n trajectories as they finish (any order). Prompts are text or token ids.
-        Stopping the iteration early cancels the call, and the service aborts the unfinished samples."""
+        Stopping the iteration early cancels the call, and the service aborts the unfinished samples.
+        `should_stop`: checked while the call runs (also while no answer comes); true -> the call is cancelled
+        and CallStopped raised, within STOP_POLL_S (a probe job's cancel)."""
         req = pb.GenerateRequest(
             prompts=[
                 pb.Prompt(text=p) if isinstance(p, str) else pb.Prompt(token_ids=pb.TokenIds(ids=list(p)))
@@ -136,11 +177,17 @@ class RolloutClient:
                                        wait_for_ready=self.wait_for_ready)
             got_any = False
             try:
-                for resp in call:
-                    got_any = True
-                    if resp.HasField("trajectory"):
-                        yield resp.trajectory
-                    yield from resp.trajectories  # samples that finished together
+                with _cancel_when(should_stop, call) as stopped:
+                    try:
+                        for resp in call:
+                            got_any = True
+                            if resp.HasField("trajectory"):
+                                yield resp.trajectory
+                            yield from resp.trajectories  # samples that finished together
+                    except grpc.RpcError as e:
+                        if stopped.is_set():
+                            raise CallStopped(f"Generate on {self.address} cancelled by its caller") from e
+                        raise
                 return
             except grpc.RpcError as e:
                 if got_any or e.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_retries:

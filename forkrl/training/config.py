@@ -115,6 +115,10 @@ class RunConfig(BaseModel):
     most this many policy versions after it was sampled (pair it with --tis-cap); 0 = sync; at most 64."""
     save_every: int = Field(0, ge=0, le=MAX_STEPS)
     """Checkpoint every N steps (0 = only the final one), at most 10,000,000."""
+    keep_checkpoints: int = Field(5, ge=1, le=MAX_STEPS)
+    """Step checkpoints kept: after each save, the latest (what --resume needs) and the most recent ones at eval
+    steps (multiples of eval_every, the steps a probe compares; every saved step when eval_every is 0), this many
+    in all; older ones are deleted once the new one is complete; final/ is always kept. 1 to 10,000,000."""
     run_dir: str = Field("", max_length=MAX_PATH_CHARS)
     """Run directory; empty = <runs root>/<run id>. At most 4096 bytes, 255 per name in it."""
     resume: bool = False

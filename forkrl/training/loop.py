@@ -3,9 +3,9 @@
     run_training(run, device="auto", tensorboard=True)   # `run`: anything with the RunHandle attributes
 
 The trainer service calls it in the run's own thread with the config already resolved by preflight(). Every
-step emits one metrics item (run.emit → WatchRun), one line of `metrics.jsonl` and TensorBoard scalars;
-checkpoints are written atomically (forkrl/weights/checkpoint.py). Each evaluation also records a few eval
-responses token by token for the run report and rewrites <run_dir>/report.html (forkrl/report/record.py).
+step emits one metrics item (run.emit → WatchRun), one line of `metrics.jsonl` and TensorBoard scalars; checkpoints
+are written atomically after a free-space check, keep_checkpoints of them kept (forkrl/weights/retention.py). Each
+evaluation also records a few eval responses token by token for the report (<run_dir>/report.html).
 
 Determinism: the data order is a seeded permutation walked by a cursor (forkrl/data/order.py), the sampling
 seed of step s is derived from (seed, s) and the rollout service derives each sample's seed from it. With the
@@ -179,8 +179,7 @@ def _steps(s: _Session) -> None:
     s.rollouts.wait_ready()
     s.version = s.rollouts.version()
     s.rollouts.adopt(s.version)
-    # The rollout must serve exactly the policy we train: on resume, or when it serves anything but our
-    # initial checkpoint (another model, another run's weights), push ours first.
+    # The rollout must serve our policy: on resume, or when it serves anything but our initial checkpoint, push it
     if policy.resumed or not s.rollouts.serve_initial(cfg.model):
         s.version += 1
         s.resilient("the first push", s.push_current)
@@ -489,6 +488,7 @@ class _Session:
             self.recorder.refresh(self.run.event)  # report.html
 
     def checkpoint(self, step: int, name: str, cursor: int | None = None) -> None:
+        self.policy.check_space(self.run.run_dir, name)  # before any rank writes: a full disk fails it clearly
         self.link.tell("checkpoint", str(self.run.run_dir), name)  # every rank writes its optimizer shards
         path = self.policy.save(self.run.run_dir, name, {
             "step": step, "data_cursor": self.trained_cursor if cursor is None else cursor,

@@ -38,6 +38,7 @@ from forkrl.training.distributed import enable_activation_checkpointing, full_st
 from forkrl.training.metrics import class_breakdown
 from forkrl.training.scoring import ScoredBatch
 from forkrl.weights.checkpoint import latest_checkpoint, read_state, save_checkpoint
+from forkrl.weights.retention import check_free_space, prune_checkpoints
 from forkrl.weights.sharded import load_optimizer_any, save_sharded_checkpoint
 
 
@@ -139,11 +140,21 @@ class Policy:
         """Write the checkpoint `name`; returns its path (None on ranks > 0). Sharded: every rank calls it (rank
         0's `state` is written): the gathered weights as HF files and the AdamW state sharded with
         torch.distributed.checkpoint (forkrl/weights/sharded.py). One rank: forkrl/weights/checkpoint.py.
-        Non-finite weights are never saved: NonFiniteWeights, and nothing is written."""
+        Non-finite weights are never saved: NonFiniteWeights, and nothing is written. Once the new checkpoint is
+        complete, rank 0 deletes those cfg.keep_checkpoints does not keep (forkrl/weights/retention.py)."""
         self.check_finite()
         if self.world_size > 1:
-            return save_sharded_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state)
-        return save_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state or {})
+            path = save_sharded_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state)
+        else:
+            path = save_checkpoint(run_dir, name, self.model, self.tokenizer, self.optimizer, state or {})
+        if path is not None:
+            prune_checkpoints(run_dir, self.cfg.keep_checkpoints, self.cfg.eval_every)
+        return path
+
+    def check_space(self, run_dir: Path, name: str) -> None:
+        """Rank 0, before any rank starts a save: InsufficientSpace (the folder, the bytes needed and free) when
+        the checkpoint `name` would not fit; nothing is written then, and the earlier checkpoints stay."""
+        check_free_space(run_dir, name, self.model)
 
 
 def load_policy(cfg: RunConfig, run_dir: Path, device: str = "auto", threads: int | str = "auto") -> Policy:

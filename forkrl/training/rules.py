@@ -42,7 +42,8 @@ class RunRules:
 
 
 def address_allowed(address: str, allowed: tuple[str, ...]) -> bool:
-    """`host:port` equals an entry, or the entry is `host:*` with the same host."""
+    """`host:port` equals an entry, or the entry is `host:*` with the same host. The one rule for every
+    rollout address a request names: the trainer's StartRun and the probe service's sampler rollout."""
     host, _, _ = address.strip().rpartition(":")
     return any(address.strip() == a or (a.endswith(":*") and a[:-2] == host) for a in allowed)
 
