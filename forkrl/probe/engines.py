@@ -205,8 +205,8 @@ def sample_with_rollout(
     """`group_size` samples per prompt from a running rollout service (whose model must be the probed
     checkpoint), prompt-major; the service seeds sample g of prompt i with sample_seed(seed, i, g).
     `check` (the job's cancel check: raises when cancelled) is polled while the service is awaited and while the
-    stream runs, even when no answer comes: the call is cancelled and `check`'s exception raised within ~0.1 s,
-    so a cancelled job never holds its worker until `timeout_s`."""
+    stream runs, even when no answer comes: the call is cancelled and `check`'s exception raised within STOP_POLL_S
+    (forkrl/remote/rollout.py), so a cancelled job never holds its worker until `timeout_s`."""
     from forkrl.remote.rollout import CallStopped, RolloutClient
 
     def should_stop() -> bool:
