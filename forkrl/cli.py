@@ -35,9 +35,14 @@ from forkrl.security import (
     read_tls_file,
     resolve_token,
 )
-from forkrl.training.config import shown
 
 S = TypeVar("S", bound=BaseSettings)
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: messages echo what was sent, never unbounded input."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 class CliSettings(BaseSettings):
@@ -86,7 +91,7 @@ def validation_problems(err: ValidationError, *, flags: bool = False, env_prefix
 
     'entropy_top_frac must be in (0, 1], got 1.5' (our validators already name both);
     'num_steps: Input should be greater than or equal to 1, got 0' (pydantic's own checks).
-    A long value is cut (forkrl.training.config.shown): the lines go into gRPC status details and terminals.
+    A long value is cut (`shown`): the lines go into gRPC status details and terminals.
     """
     for e in err.errors():
         msg = e["msg"].removeprefix("Value error, ")

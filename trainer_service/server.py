@@ -15,8 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
-from forkrl.cli import describe_validation_error
-from forkrl.training.config import RunConfig, from_proto, shown, to_proto
+from forkrl.cli import describe_validation_error, shown
+from forkrl.training.config import RunConfig, from_proto, to_proto
 from forkrl.wire.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from serving.bind import refuse_open_bind
 from serving.grpc_server import add_server_port, grpc_server_options, server_interceptors

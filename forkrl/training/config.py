@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from forkrl.cli import shown
 from forkrl.data.prompts import PromptFormat, check_format_options
 from forkrl.rl.options import LossName, MaskNorm, MaskScope, check_top_frac
 
@@ -42,12 +43,6 @@ MAX_NAME_BYTES = 255  # one component of such a path (NAME_MAX): longer ones fai
 MAX_NAME_CHARS = 256  # task, reward
 MAX_ADDRESSES = 64  # rollout_addresses
 MAX_ADDRESS_CHARS = 300  # one host:port (a DNS name is at most 253 characters)
-
-
-def shown(value: object, limit: int = 80) -> str:
-    """repr(value), cut to `limit` characters: messages echo what was sent, never unbounded input."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 LogTarget = Literal["jsonl", "tensorboard", "wandb"]

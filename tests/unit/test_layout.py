@@ -183,3 +183,66 @@ def test_the_architecture_names_every_top_level_module_of_the_core() -> None:
     doc = (ROOT / "docs" / "architecture.md").read_text()
     missing = [_rel(p) for p in (ROOT / "forkrl").glob("*.py") if p.name != "__init__.py" and _rel(p) not in doc]
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+# The core's rooms from the bottom up (docs/architecture.md): a room imports only rooms of a lower level.
+ROOM_LEVELS = {
+    "seeds": 0, "files": 0, "runtime": 0, "security": 0, "wire": 0,
+    "cli": 1, "rl": 1, "data": 1,
+    "models": 2, "weights": 2,
+    "remote": 3,
+    "report": 4,
+    "training": 5, "probe": 5,
+    "eval": 6,
+}
+
+
+def _product_modules() -> dict[str, Path]:
+    """Every hand-written module of the product (the core, the services, serving/), by dotted name."""
+    mods = {}
+    for top in ("forkrl", *SERVICES, "serving"):
+        for p in _modules(top):
+            if "wire" in p.relative_to(ROOT).parts:
+                continue
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return mods
+
+
+def _owner(name: str, mods: dict[str, Path]) -> str | None:
+    """The module of `mods` an import of `name` loads (`pkg.mod.attr` -> `pkg.mod`), or None outside them."""
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_the_product_has_no_import_cycle() -> None:
+    # across rooms and services too, and every import counts: inside a function or under TYPE_CHECKING alike
+    mods = _product_modules()
+    graph = {name: {o for m in _imports(p, submodules=True) if (o := _owner(m, mods)) and o != name
+                    and not name.startswith(o + ".")} for name, p in mods.items()}
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
+
+
+@pytest.mark.parametrize("path", [p for p in _modules("forkrl") if "wire" not in p.relative_to(ROOT).parts], ids=_rel)
+def test_a_room_imports_only_lower_rooms(path: Path) -> None:
+    room = path.relative_to(ROOT / "forkrl").parts[0].removesuffix(".py")
+    if room == "__init__":
+        return
+    assert room in ROOM_LEVELS, f"forkrl/{room} is not in ROOM_LEVELS: give the new room its level"
+    bad = []
+    for m in _imports(path):
+        parts = m.split(".")
+        if parts[0] != "forkrl" or len(parts) < 2 or parts[1] == room:
+            continue
+        if ROOM_LEVELS.get(parts[1], 99) >= ROOM_LEVELS[room]:
+            bad.append(m)
+    assert not bad, f"{_rel(path)} (room {room}, level {ROOM_LEVELS[room]}) imports {bad}: a room at the same or a " \
+        "higher level (tests/unit/test_layout.py ROOM_LEVELS)"
+
+
+def test_the_layout_checks_see_a_cycle_and_an_upward_import() -> None:
+    # the two checks above on a graph with a cycle and on a lower room importing a higher one
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+    assert ROOM_LEVELS["rl"] < ROOM_LEVELS["training"] and ROOM_LEVELS["report"] < ROOM_LEVELS["training"]
