@@ -83,7 +83,8 @@ class RunConfig(BaseModel):
     """Train only on this top fraction of response tokens by entropy, in (0, 1] (paper: 0.2); unset = all tokens.
     The client defaults it to $ENTROPY_TOP_FRAC."""
     mask_scope: MaskScope = "microbatch"
-    """Where the top-k is taken: per micro-batch (paper) or per optimizer step."""
+    """Where the top-k is taken: per micro-batch (paper) or per optimizer step (step is required when
+    max_tokens_per_micro_batch is set and entropy_top_frac < 1)."""
     mask_norm: MaskNorm = "kept"
     """Token normalizer under the mask: kept tokens (paper v2) or all tokens (TRL)."""
     num_steps: int = Field(100, ge=1, le=MAX_STEPS)
