@@ -146,3 +146,16 @@ def test_token_budget_refuses_the_micro_batch_scope_with_the_mask_on() -> None:
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be >= 0"):
         train_step(model, opt, batch, adv, LossConfig(name="dapo"), temperature=1.0, micro_batch_size=4,
                    max_grad_norm=1.0, max_tokens_per_micro_batch=-1)
+
+
+def test_the_run_s_policy_update_passes_the_budget_to_the_step() -> None:
+    from tests.unit.test_class_breakdown import _policy, _scored
+
+    policy = _policy("countdown", 0.2)
+    batch = _scored(policy, "countdown", [["2+3=5,5*1=5", "3*1=3,3+2=5"], ["8+2=10,10*9=90", "9*9=81"]])
+    fixed = policy.update(batch, policy.cfg.loss_config())
+    assert fixed["micro_batches"] == 1  # micro_batch_size 64: the 4 rows in one micro-batch
+    policy.cfg = policy.cfg.model_copy(update={"max_tokens_per_micro_batch": 1, "mask_scope": "step"})
+    budget = policy.update(batch, policy.cfg.loss_config())
+    assert budget["micro_batches"] == 4  # a budget of 1 token: every row alone
+    assert budget["kept_tokens"] == fixed["kept_tokens"]
