@@ -13,8 +13,8 @@ of one rank, no collective runs. Every rank computes the same plan (forkrl/rl/mi
 per mini-batch the micro-batch slots with each rank's rows. Fixed micro-batches (`micro_batch_size`): each global
 micro-batch is dealt to the ranks in contiguous rank-ordered row blocks (forkrl/rl/collectives.py `deal`), so rank
 r's rows follow rank r-1's in the 1-rank order. Micro-batches by tokens (`max_tokens_per_micro_batch` T): the rows
-of each mini-batch are dealt to the ranks balanced by tokens, then packed by length into micro-batches of at most
-T padded tokens; a rank with fewer of them joins the others' slots with empty shares. Everything step-global is
+of each mini-batch are packed by length into micro-batches of at most T padded tokens, which are dealt to the ranks
+balanced by tokens; a rank with fewer of them joins the others' slots with empty shares. Everything step-global is
 computed across ranks: the denominators from all-reduced counts, the forking-token top-k over the all-gathered
 entropies (the very same `forking_token_mask` / `masks_for_step` selects, ties included; in step scope over the
 entropies in batch-row order, so the kept set does not depend on the plan), gradients summed (FSDP2

@@ -30,7 +30,7 @@ from dp_worker import VOCAB, build_model  # noqa: E402
 from forkrl.rl.losses import LossConfig  # noqa: E402
 from forkrl.rl.step import Batch, build_batch, train_step  # noqa: E402
 
-N, MINI, FIXED, BUDGET, LR = 16, 8, 4, 60, 0.3
+N, MINI, FIXED, BUDGET, LR = 16, 8, 4, 30, 0.3  # BUDGET: the 51-token row alone, a rank with an empty slot
 MAX_COMPLETION = 48  # the "recipe's cap" of this batch (the model has 64 positions)
 KW = dict(temperature=0.9, max_grad_norm=1.0, mini_batch_size=MINI, epochs=2, kl_pass=True)
 CASES = {
@@ -54,10 +54,13 @@ def build_inputs() -> tuple[Batch, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     lens = long_tailed_lengths(N, MAX_COMPLETION, seed=3, median=8.0)
     prompts, comps, lps = [], [], []
-    for i, n_c in enumerate(lens):
-        if i % 4 == 0:  # a group of 4 samples shares its prompt
-            p = torch.randint(3, VOCAB, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
-        prompts.append(p)
+    # a prompt per row: the samples of a real group share their prompt, so the entropies at their first response
+    # token are equal in exact arithmetic and differ only by float32 rounding, which depends on which rows share a
+    # forward; at the top-k boundary such a tie may then keep another (equally valid) sample's token with fixed
+    # and with token-budget micro-batches (never another count). Distinct prompts keep the kept flags comparable
+    # exactly; dapo_ties checks the tie order where ties are exact.
+    for n_c in lens:
+        prompts.append(torch.randint(3, VOCAB, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist())
         comps.append(torch.randint(3, VOCAB, (n_c,), generator=g).tolist())
         lps.append((-torch.rand(n_c, generator=g) * 3).tolist())
     return build_batch(prompts, comps, lps, pad_id=0), torch.randn(N, generator=g)
