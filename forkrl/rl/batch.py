@@ -3,10 +3,12 @@ engine's log-probs (pure torch, no I/O).
 
     batch = build_batch(prompt_ids, completion_ids, rollout_logprobs, pad_id)
     mb = batch.slice(0, 8).to(device)          # rows 0..7, padding columns they do not need trimmed
+    mb = batch.select([3, 9, 10]).to(device)   # any rows (the token-budget micro-batches: forkrl/rl/microbatch.py)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,19 @@ class Batch:
         width = int(self.attention_mask[start:stop].sum(dim=1).max())
         return Batch(self.input_ids[start:stop, :width], self.attention_mask[start:stop, :width],
                      self.response_mask[start:stop, : width - 1], self.rollout_logp[start:stop, : width - 1])
+
+    def select(self, rows: Sequence[int]) -> Batch:
+        """The rows `rows` (in that order; non-empty), padding columns they do not need trimmed; a contiguous
+        ascending run is `slice` (views, no copy)."""
+        rows = list(rows)
+        if not rows:
+            raise ValueError("select needs at least one row")
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return self.slice(rows[0], rows[0] + len(rows))
+        idx = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        width = int(self.attention_mask[idx].sum(dim=1).max())
+        return Batch(self.input_ids[idx, :width], self.attention_mask[idx, :width],
+                     self.response_mask[idx, : width - 1], self.rollout_logp[idx, : width - 1])
 
 
 def build_batch(

@@ -27,6 +27,7 @@ __all__ = [
     "LossName",
     "MaskNorm",
     "MaskScope",
+    "check_budget_scope",
     "check_top_frac",
     "mask_is_on",
 ]
@@ -59,3 +60,15 @@ def check_top_frac(top_frac: float | None) -> None:
 def mask_is_on(top_frac: float | None) -> bool:
     """True when rho actually drops tokens (rho < 1). `top_frac` is a checked value (check_top_frac)."""
     return top_frac is not None and top_frac < 1.0
+
+
+def check_budget_scope(max_tokens_per_micro_batch: int, mask_on: bool, mask_scope: str) -> None:
+    """Raise ValueError for token-budget micro-batches with the micro-batch-scope top-k (docs/algorithms-departures.md
+    §6): which rows share a token-budget micro-batch depends on their lengths and on the number of ranks, so a top-k
+    per micro-batch would make the kept tokens depend on both; the step scope keeps the same tokens whatever the
+    grouping. Without the mask (rho = 1) the scope selects nothing and any value passes."""
+    if max_tokens_per_micro_batch and mask_on and mask_scope == "microbatch":
+        raise ValueError(f"max_tokens_per_micro_batch ({max_tokens_per_micro_batch}) needs mask_scope 'step' when "
+                         "entropy_top_frac < 1, got mask_scope 'microbatch': token-budget micro-batches group rows by "
+                         "length and rank count, so a per-micro-batch top-k would change with them (set "
+                         "--mask-scope step, or max_tokens_per_micro_batch 0 for fixed micro-batches)")

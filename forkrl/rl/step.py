@@ -4,20 +4,28 @@
     metrics = train_step(model, optimizer, batch, advantages, loss_cfg, temperature=1.0,
                          micro_batch_size=64, max_grad_norm=1.0)                 # one update (default)
     metrics = train_step(..., mini_batch_size=32 * G, epochs=1)                  # B/32 updates (PPO/DAPO)
+    metrics = train_step(..., max_tokens_per_micro_batch=32768)                 # micro-batches by tokens
     metrics = train_step(..., stop=event.is_set, skipped_out=reasons)           # the guards (below)
 
 Ranks (docs/scaling.md). Under torch.distributed every rank of `group` passes the **whole** batch and its
 advantages (computed per group from all rewards: step-global without a collective); with one process, or a group
-of one rank, no collective runs. The batch is cut into the same global mini- and micro-batches on every rank, and
-each global micro-batch is dealt to the ranks in contiguous rank-ordered row blocks (forkrl/rl/collectives.py
-`deal`), so rank r's rows follow rank r-1's in the 1-rank order. Everything step-global is computed across ranks
-in that order: the denominators from all-reduced counts, the forking-token top-k over the all-gathered entropies
-(the very same `forking_token_mask` / `masks_for_step` selects, ties included), gradients summed (FSDP2
+of one rank, no collective runs. Every rank computes the same plan (forkrl/rl/microbatch.py): the mini-batches, and
+per mini-batch the micro-batch slots with each rank's rows. Fixed micro-batches (`micro_batch_size`): each global
+micro-batch is dealt to the ranks in contiguous rank-ordered row blocks (forkrl/rl/collectives.py `deal`), so rank
+r's rows follow rank r-1's in the 1-rank order. Micro-batches by tokens (`max_tokens_per_micro_batch` T): the rows
+of each mini-batch are packed by length into micro-batches of at most T padded tokens, which are dealt to the ranks
+balanced by tokens; a rank with fewer of them joins the others' slots with empty shares. Everything step-global is
+computed across ranks: the denominators from all-reduced counts, the forking-token top-k over the all-gathered
+entropies (the very same `forking_token_mask` / `masks_for_step` selects, ties included; in step scope over the
+entropies in batch-row order, so the kept set does not depend on the plan), gradients summed (FSDP2
 reduce-scatter with divide factor 1, after every micro-batch by default or on an update's last one with
 grad_sync="last"; a replicated model: one all_reduce per parameter), metrics reduced (forkrl/rl/step_metrics.py).
 A rank whose share of a micro-batch holds no response token still runs a forward (and a backward of 0 x its
 log-probs) under FSDP2, which needs every rank in every all-gather and reduce-scatter. N ranks therefore equal
 one rank up to float32 rounding of the summation order; counts are exact (tests/dist/test_dp_equals_one_rank.py).
+Likewise micro-batches by tokens equal fixed ones (step scope; the micro-batch scope needs fixed micro-batches:
+docs/algorithms-departures.md §6), on 1 and N ranks (tests/unit/test_microbatch.py,
+tests/dist/test_token_budget_ranks.py); only the `micro_batches` count differs.
 
 What happens (algorithms.md §0-§3, §3.8):
 1. The batch is split into mini-batches of `mini_batch_size` sequences (default: one = the whole batch); the
@@ -27,8 +35,8 @@ What happens (algorithms.md §0-§3, §3.8):
    forward pass (the single-update arithmetic, ratios exactly 1). With several updates, one no-grad pass before
    the first update over every micro-batch (the same slicing as the updates), so later updates' ratios measure
    how far the policy moved since the batch began and the clip acts.
-3. Each update: its mini-batch is split into micro-batches (one with only empty completions, e.g. aborted
-   samples, is skipped); the denominators of the mini-batch (kept tokens, response tokens, sequences) are
+3. Each update: its mini-batch is split into micro-batches (rows of only empty completions, e.g. aborted
+   samples, are skipped); the denominators of the mini-batch (kept tokens, response tokens, sequences) are
    computed once, before any backward, from token counts alone (§2.3). For `mask_scope="step"` a no-grad pass
    first computes the entropies of every micro-batch of the mini-batch so that one top-k is taken over the whole
    update. Per micro-batch: forward (fp32 master weights) → logp and entropy at the sampling temperature from the
@@ -68,7 +76,6 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from forkrl.rl.batch import Batch, build_batch
 from forkrl.rl.collectives import (
     GradSync,
-    deal,
     first_nonfinite,
     gather_segments,
     is_fsdp,
@@ -81,6 +88,8 @@ from forkrl.rl.collectives import (
 from forkrl.rl.entropy import causal_lm_logprobs_and_entropy
 from forkrl.rl.losses import LossConfig, StepDenominator, policy_loss
 from forkrl.rl.mask import forking_token_mask, kept_denominator, masks_for_step
+from forkrl.rl.microbatch import Plan, fixed_plan, token_plan
+from forkrl.rl.options import check_budget_scope
 from forkrl.rl.step_metrics import Tally, record_micro, step_metrics
 from forkrl.rl.tis import tis_weights
 
@@ -111,11 +120,11 @@ def _forward(model: torch.nn.Module, mb: Batch, temperature: float, with_entropy
 
 @dataclass(frozen=True)
 class _Micro:
-    """This rank's share of one global micro-batch: rows [a, b) of the batch; mb None when they hold no
-    response token (an empty block, or only empty completions)."""
+    """This rank's share of one micro-batch slot (forkrl/rl/microbatch.py): its batch rows (ascending), their
+    indices on the device, and mb None when they hold no response token (no rows, or only empty completions)."""
 
-    a: int
-    b: int
+    rows: list[int]
+    idx: Tensor
     mb: Batch | None
 
 
@@ -133,6 +142,7 @@ class _Ctx:
     batch: Batch
     stop: Callable[[], bool] | None
     grad_sync: GradSync
+    resp: list[int]  # completion tokens per batch row
 
     def flags(self, *local: float) -> tuple[bool, list[float]]:
         """(stop requested on any rank, the MAX over ranks of `local`): one all_reduce on N ranks."""
@@ -159,20 +169,11 @@ class _Ctx:
             logp, _ = _forward(self.model, one, self.temperature, False, torch.zeros_like(one.response_mask))
         return logp.sum() * 0.0 if grad else None
 
-    def local(self, a: int, b: int) -> _Micro:
-        s, e = deal(a, b, self.world, self.rank)
-        has = e > s and bool(self.batch.response_mask[s:e].any())
-        return _Micro(s, e, self.batch.slice(s, e).to(self.device) if has else None)
-
-
-def _plan(batch: Batch, mini: int, micro: int) -> list[list[tuple[int, int]]]:
-    """The global micro-batches (row bounds) of each mini-batch; a micro-batch of only empty completions (aborted
-    samples) holds no token to train on and is left out, as is a mini-batch left with none."""
-    n = len(batch)
-    plan = [[(a, min(a + micro, e)) for a in range(s, e, micro)] for s, e in ((s, min(s + mini, n))
-                                                                            for s in range(0, n, mini))]
-    return [kept for kept in ([(a, b) for a, b in bounds if bool(batch.response_mask[a:b].any())]
-                              for bounds in plan) if kept]
+    def local(self, slot: list[list[int]]) -> _Micro:
+        rows = slot[self.rank]
+        has = any(self.resp[i] for i in rows)
+        return _Micro(rows, torch.tensor(rows, dtype=torch.long, device=self.device),
+                      self.batch.select(rows).to(self.device) if has else None)
 
 
 def _denominator(ctx: _Ctx, mus: list[_Micro]) -> StepDenominator:
@@ -196,9 +197,20 @@ def _resp_entropy(mu: _Micro, ent: Tensor | None, device: torch.device) -> Tenso
     return ent.detach()[mu.mb.response_mask].float()
 
 
-def _step_scope_keep(ctx: _Ctx, mus: list[_Micro]) -> tuple[list[Tensor], float]:
+def _by_row(ctx: _Ctx, slots: list[list[list[int]]], segs: list[Tensor]) -> dict[int, Tensor]:
+    """Each row's part of gathered per-(slot, rank) segments over response tokens (gather_segments' order)."""
+    out = {}
+    for idx, seg in enumerate(segs):
+        rows = slots[idx // ctx.world][idx % ctx.world]
+        out.update(zip(rows, torch.split(seg, [ctx.resp[i] for i in rows]), strict=True))
+    return out
+
+
+def _step_scope_keep(ctx: _Ctx, slots: list[list[list[int]]], mus: list[_Micro]) -> tuple[list[Tensor], float]:
     """Step scope: this rank's kept flags per micro-batch (over its response tokens) and the step threshold, from
-    one top-k over the entropies of the whole update gathered in the 1-rank order."""
+    one top-k over the entropies of the whole update gathered from every rank and laid out in batch-row order, so
+    that the kept set (ties included: the earlier row wins) does not depend on how the rows were grouped into
+    micro-batches or dealt to ranks (fixed or token-budget micro-batches, any number of ranks)."""
     ents = []
     with torch.no_grad():
         for mu in mus:
@@ -206,11 +218,14 @@ def _step_scope_keep(ctx: _Ctx, mus: list[_Micro]) -> tuple[list[Tensor], float]
             if mu.mb is None:
                 ctx.join(grad=False)
             ents.append(_resp_entropy(mu, ctx.forward(mu.mb, True)[1] if mu.mb is not None else None, ctx.device))
-    segs = gather_segments(ents, ctx.group)
-    res = masks_for_step([s.unsqueeze(0) for s in segs],
-                         [torch.ones((1, s.numel()), dtype=torch.bool, device=ctx.device) for s in segs],
-                         ctx.cfg.entropy_top_frac, "step")
-    return [res[j * ctx.world + ctx.rank].mask[0] for j in range(len(mus))], res[0].threshold
+    per_row = _by_row(ctx, slots, gather_segments(ents, ctx.group))
+    order = sorted(per_row)
+    flat = torch.cat([per_row[i] for i in order])
+    res = masks_for_step([flat.unsqueeze(0)], [torch.ones((1, flat.numel()), dtype=torch.bool, device=ctx.device)],
+                         ctx.cfg.entropy_top_frac, "step")[0]
+    kept = dict(zip(order, torch.split(res.mask[0], [ctx.resp[i] for i in order]), strict=True))
+    none = torch.zeros(0, dtype=torch.bool, device=ctx.device)
+    return [torch.cat([kept[i] for i in mu.rows]) if mu.rows else none for mu in mus], res.threshold
 
 
 def _micro_keep(ctx: _Ctx, mu: _Micro, ent: Tensor | None) -> tuple[Tensor | None, float]:
@@ -226,13 +241,13 @@ def _micro_keep(ctx: _Ctx, mu: _Micro, ent: Tensor | None) -> tuple[Tensor | Non
     return res.mask[0, start : start + vals.numel()], res.threshold
 
 
-def _update(ctx: _Ctx, k: int, mus: list[_Micro], old: list[Tensor | None] | None, advantages: Tensor,
-            max_grad_norm: float, acc: Tally, last: dict, skipped_out: list[str] | None) -> bool:
+def _update(ctx: _Ctx, k: int, slots: list[list[list[int]]], mus: list[_Micro], old: list[Tensor | None] | None,
+            advantages: Tensor, max_grad_norm: float, acc: Tally, last: dict, skipped_out: list[str] | None) -> bool:
     """One optimizer update on mini-batch k; True when applied, False when the guard skipped it. Its metrics
     and kept masks join `acc` and `last` only when it ran to its end."""
     cfg, model, opt = ctx.cfg, ctx.model, ctx.optimizer
     denom = _denominator(ctx, mus)
-    step_keep = _step_scope_keep(ctx, mus) if cfg.mask_on and cfg.mask_scope == "step" else None
+    step_keep = _step_scope_keep(ctx, slots, mus) if cfg.mask_on and cfg.mask_scope == "step" else None
     model.train()
     opt.zero_grad(set_to_none=True)
     upd, seen, loss_bad = Tally(), {}, 0.0
@@ -266,7 +281,7 @@ def _update(ctx: _Ctx, k: int, mus: list[_Micro], old: list[Tensor | None] | Non
             is_weight, raw = tis_weights(old_logp, mb.rollout_logp, resp, cfg.tis_cap, per_sequence=cfg.name == "gspo")
             if cfg.name == "cispo":  # its own IS weight takes π_behav as denominator, no extra w_t (§3.8)
                 is_weight, behav_logp = None, mb.rollout_logp
-        loss, m = policy_loss(cfg, logp, old_logp, advantages[mu.a : mu.b], resp, token_mask, denom,
+        loss, m = policy_loss(cfg, logp, old_logp, advantages[mu.idx], resp, token_mask, denom,
                               ref_logp=ref_logp, is_weight=is_weight, behav_logp=behav_logp)
         loss.backward()
         loss_bad = max(loss_bad, 0.0 if math.isfinite(m["loss"]) else 1.0)
@@ -322,9 +337,9 @@ def _approx_kl(ctx: _Ctx, micros: list[list[_Micro]], last: dict) -> tuple[float
     return tot[0] / max(tot[1], 1.0), tot[2] / max(tot[3], 1.0)
 
 
-def _kept_rows(ctx: _Ctx, plan: list[list[tuple[int, int]]], micros: list[list[_Micro]], last: dict) -> list[Tensor]:
+def _kept_rows(ctx: _Ctx, plan: Plan, micros: list[list[_Micro]], last: dict) -> list[Tensor]:
     """One bool CPU tensor per sequence over its completion tokens: True where the last update's mask kept it,
-    gathered from every rank (1-rank order: micro-batch major, rank minor)."""
+    gathered from every rank and put back in batch order."""
     segs = []
     for k, mus in enumerate(micros):
         for j, mu in enumerate(mus):
@@ -332,15 +347,10 @@ def _kept_rows(ctx: _Ctx, plan: list[list[tuple[int, int]]], micros: list[list[_
             keep = entry[1][mu.mb.response_mask] if entry is not None and mu.mb is not None else \
                 torch.zeros(0, dtype=torch.bool, device=ctx.device)
             segs.append(keep.to(torch.uint8))
-    gathered = gather_segments(segs, ctx.group)
-    rows = [torch.zeros(0, dtype=torch.bool)] * len(ctx.batch)  # rows of a left-out micro-batch keep nothing
-    bounds = [ab for mini in plan for ab in mini]
-    for idx, (a, b) in enumerate(bounds):
-        flat = torch.cat(gathered[idx * ctx.world : (idx + 1) * ctx.world]).bool().cpu()
-        counts = ctx.batch.response_mask[a:b].sum(dim=1).tolist()
-        for r, part in enumerate(torch.split(flat, counts)):
-            rows[a + r] = part
-    return rows
+    per_row = _by_row(ctx, [slot for slots in plan for slot in slots], gather_segments(segs, ctx.group))
+    # rows of a left-out micro-batch (only empty completions) keep nothing
+    none = torch.zeros(0, dtype=torch.bool)
+    return [per_row[i].bool().cpu() if i in per_row else none for i in range(len(ctx.batch))]
 
 
 def train_step(
@@ -353,6 +363,7 @@ def train_step(
     temperature: float,
     micro_batch_size: int,
     max_grad_norm: float,
+    max_tokens_per_micro_batch: int = 0,
     ref_model: torch.nn.Module | None = None,
     mini_batch_size: int | None = None,
     epochs: int = 1,
@@ -367,7 +378,10 @@ def train_step(
     collective); returns the step's floats, equal on every rank (module docstring).
 
     advantages: [N] per sequence (same order as the batch). micro_batch_size: sequences per global micro-batch
-    (dealt to the ranks). mini_batch_size: sequences per update (None or >= N: one update on the whole batch);
+    (dealt to the ranks). max_tokens_per_micro_batch: T > 0 groups each mini-batch's rows by length into
+    micro-batches of at most T padded tokens each (rows x longest row; a longer row alone), dealt to the ranks by
+    tokens (forkrl/rl/microbatch.py), instead of micro_batch_size; with the mask on it needs mask_scope "step".
+    mini_batch_size: sequences per update (None or >= N: one update on the whole batch);
     pass a multiple of the group size to keep groups whole. epochs: passes over the batch.
     kept_out: receives one bool CPU tensor per sequence, in batch order, over its completion tokens: True where
     the mask of its last update kept the token (left empty when a stop cut the step short); a gather on N
@@ -387,16 +401,23 @@ def train_step(
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if max_tokens_per_micro_batch < 0:
+        raise ValueError(f"max_tokens_per_micro_batch must be >= 0 (0 = off), got {max_tokens_per_micro_batch}")
+    check_budget_scope(max_tokens_per_micro_batch, loss_cfg.mask_on, loss_cfg.mask_scope)
     if grad_sync not in ("every", "last"):
         raise ValueError(f"grad_sync must be 'every' or 'last', got {grad_sync!r}")
     device = next(model.parameters()).device
     rank, world = rank_world(group)
-    ctx = _Ctx(model, optimizer, loss_cfg, temperature, ref_model, group, rank, world, device, batch, stop, grad_sync)
-    plan = _plan(batch, n if mini_batch_size is None else min(mini_batch_size, n), micro_batch_size)
+    resp = batch.response_mask.sum(dim=1).tolist()
+    ctx = _Ctx(model, optimizer, loss_cfg, temperature, ref_model, group, rank, world, device, batch, stop, grad_sync,
+               resp)
+    mini = n if mini_batch_size is None else min(mini_batch_size, n)
+    plan = token_plan(batch.attention_mask.sum(dim=1).tolist(), resp, mini, max_tokens_per_micro_batch, world) \
+        if max_tokens_per_micro_batch else fixed_plan(resp, mini, micro_batch_size, world)
     if not plan:
         raise ValueError(f"all {n} completions of the step are empty (0 tokens): nothing to train on")
     advantages = advantages.to(device)
-    micros = [[ctx.local(a, b) for a, b in bounds] for bounds in plan]
+    micros = [[ctx.local(slot) for slot in slots] for slots in plan]
     acc, last = Tally(), {}
     applied = skipped = 0
     stopped = False
@@ -415,7 +436,7 @@ def train_step(
                         old[-1].append(ctx.forward(mu.mb, False)[0] if mu.mb is not None else None)
         for _ in range(epochs):
             for k, mus in enumerate(micros):
-                if _update(ctx, k, mus, None if old is None else old[k], advantages, max_grad_norm, acc, last,
+                if _update(ctx, k, plan[k], mus, None if old is None else old[k], advantages, max_grad_norm, acc, last,
                            skipped_out):
                     applied += 1
                 else:

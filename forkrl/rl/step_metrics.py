@@ -14,11 +14,11 @@ grad_norm_max the largest; clip fractions are over the kept tokens of all update
 response tokens, ratio_min/max over all; kept_tokens and response_tokens summed over updates (E epochs count
 every token E times); entropy statistics, mask_threshold (the lowest) and logp_delta_* over the tokens of every
 update; n_updates (applied), skipped_updates (non-finite loss or gradient norm, no optimizer step),
-micro_batches (per epoch); approx_kl_start = the k3 estimate of KL(π_old ‖ π_θ) over the kept tokens of every
-update's loss pass, i.e. with the weights each update starts from (0 when the step has one update: π_θ = π_old
-there; free: the loss pass has both log-probs); approx_kl / approx_kl_all (after the last update, one more
-forward: forkrl/rl/step.py `kl_pass`) when asked for and the step ran to its end; `stopped` = 1 when a stop cut it
-short after at least one applied update.
+micro_batches (the forward/backward slots every rank runs per epoch: forkrl/rl/microbatch.py); approx_kl_start =
+the k3 estimate of KL(π_old ‖ π_θ) over the kept tokens of every update's loss pass, i.e. with the weights each
+update starts from (0 when the step has one update: π_θ = π_old there; free: the loss pass has both log-probs);
+approx_kl / approx_kl_all (after the last update, one more forward: forkrl/rl/step.py `kl_pass`) when asked for
+and the step ran to its end; `stopped` = 1 when a stop cut it short after at least one applied update.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from forkrl.cli import shown
 from forkrl.data.prompts import PromptFormat, check_format_options
-from forkrl.rl.options import LossName, MaskNorm, MaskScope, check_top_frac
+from forkrl.rl.options import LossName, MaskNorm, MaskScope, check_budget_scope, check_top_frac, mask_is_on
 
 if TYPE_CHECKING:
     from forkrl.rl.losses import LossConfig
@@ -78,7 +78,8 @@ class RunConfig(BaseModel):
     """Train only on this top fraction of response tokens by entropy, in (0, 1] (paper: 0.2); unset = all tokens.
     The client defaults it to $ENTROPY_TOP_FRAC."""
     mask_scope: MaskScope = "microbatch"
-    """Where the top-k is taken: per micro-batch (paper) or per optimizer step."""
+    """Where the top-k is taken: per micro-batch (paper) or per optimizer step (step is required when
+    max_tokens_per_micro_batch is set and entropy_top_frac < 1)."""
     mask_norm: MaskNorm = "kept"
     """Token normalizer under the mask: kept tokens (paper v2) or all tokens (TRL)."""
     num_steps: int = Field(100, ge=1, le=MAX_STEPS)
@@ -99,6 +100,11 @@ class RunConfig(BaseModel):
     """PPO clip epsilon high, 0 to 10; unset = the loss's default."""
     micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH)
     """Sequences per micro-batch (gradient accumulation), 1 to 1,048,576."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0, le=INT32_MAX)
+    """Micro-batches by tokens instead of micro_batch_size: each mini-batch's sequences are grouped by length into
+    micro-batches of at most this many padded tokens (rows x longest row; a single longer sequence is one on
+    its own) and dealt to the ranks balanced by tokens; the update is the same. With
+    entropy_top_frac < 1 it needs --mask-scope step. 0 = off (micro_batch_size sequences); at most 2^31 - 1."""
     mini_batch_prompts: int = Field(0, ge=0, le=MAX_BATCH)
     """Prompts (whole groups) per optimizer update: the rollout batch is split into mini-batches of this many
     prompts, one AdamW step each, with pi_old = the weights before the first update (DAPO and the 80/20
@@ -241,6 +247,7 @@ class RunConfig(BaseModel):
         if self.mini_batch_prompts > self.prompts_per_step:
             raise ValueError(f"mini_batch_prompts ({self.mini_batch_prompts}) must be <= prompts_per_step "
                              f"({self.prompts_per_step}); 0 = all prompts in one update")
+        check_budget_scope(self.max_tokens_per_micro_batch, mask_is_on(self.entropy_top_frac), self.mask_scope)
         if self.resume and not self.run_dir:
             raise ValueError("resume needs run_dir (the run to continue)")
         if self.max_new_tokens:

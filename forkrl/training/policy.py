@@ -103,6 +103,7 @@ class Policy:
         # under torch.distributed every rank passes the whole batch and trains its share (docs/scaling.md)
         metrics = train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
                              micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                             max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
                              ref_model=self.ref_model, mini_batch_size=mini, epochs=cfg.ppo_epochs, kept_out=kept,
                              skipped_out=skipped, stop=stop, kl_pass=cfg.kl_pass)
         # every rank gathers the kept flags (a collective); rank 0 alone has the problems to label them with

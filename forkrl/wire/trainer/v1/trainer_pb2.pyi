@@ -109,7 +109,7 @@ EVENT_KIND_LOG: EventKind
 EVENT_KIND_FINISHED: EventKind
 
 class RunConfig(_message.Message):
-    __slots__ = ("model", "task", "dataset", "reward", "loss", "entropy_top_frac", "mask_scope", "mask_norm", "num_steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "lr", "clip_low", "clip_high", "micro_batch_size", "save_every", "keep_checkpoints", "run_dir", "resume", "seed", "rollout_addresses", "kl_beta", "max_grad_norm", "weight_decay", "warmup_steps", "dynamic_sampling", "max_gen_batches", "dual_clip_c", "cispo_max_weight", "weight_sync", "eval_every", "eval_prompts", "adam_beta1", "adam_beta2", "overlong_cache_len", "mini_batch_prompts", "ppo_epochs", "tis_cap", "max_staleness", "max_bad_steps", "activation_checkpointing", "kl_pass", "prompt_format", "system_prompt", "prompt_field", "answer_field", "eval_dataset", "log_to", "wandb_project")
+    __slots__ = ("model", "task", "dataset", "reward", "loss", "entropy_top_frac", "mask_scope", "mask_norm", "num_steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "lr", "clip_low", "clip_high", "micro_batch_size", "save_every", "keep_checkpoints", "run_dir", "resume", "seed", "rollout_addresses", "kl_beta", "max_grad_norm", "weight_decay", "warmup_steps", "dynamic_sampling", "max_gen_batches", "dual_clip_c", "cispo_max_weight", "weight_sync", "eval_every", "eval_prompts", "adam_beta1", "adam_beta2", "overlong_cache_len", "mini_batch_prompts", "ppo_epochs", "tis_cap", "max_staleness", "max_bad_steps", "activation_checkpointing", "kl_pass", "max_tokens_per_micro_batch", "prompt_format", "system_prompt", "prompt_field", "answer_field", "eval_dataset", "log_to", "wandb_project")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class RunConfig(_message.Message):
     MAX_BAD_STEPS_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_CHECKPOINTING_FIELD_NUMBER: _ClassVar[int]
     KL_PASS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +206,7 @@ class RunConfig(_message.Message):
     max_bad_steps: int
     activation_checkpointing: bool
     kl_pass: bool
+    max_tokens_per_micro_batch: int
     prompt_format: PromptFormat
     system_prompt: str
     prompt_field: str
@@ -212,7 +214,7 @@ class RunConfig(_message.Message):
     eval_dataset: _containers.RepeatedScalarFieldContainer[str]
     log_to: _containers.RepeatedScalarFieldContainer[str]
     wandb_project: str
-    def __init__(self, model: _Optional[str] = ..., task: _Optional[str] = ..., dataset: _Optional[str] = ..., reward: _Optional[str] = ..., loss: _Optional[_Union[Loss, str]] = ..., entropy_top_frac: _Optional[float] = ..., mask_scope: _Optional[_Union[MaskScope, str]] = ..., mask_norm: _Optional[_Union[MaskNorm, str]] = ..., num_steps: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., lr: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., save_every: _Optional[int] = ..., keep_checkpoints: _Optional[int] = ..., run_dir: _Optional[str] = ..., resume: _Optional[bool] = ..., seed: _Optional[int] = ..., rollout_addresses: _Optional[_Iterable[str]] = ..., kl_beta: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., weight_decay: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., dynamic_sampling: _Optional[bool] = ..., max_gen_batches: _Optional[int] = ..., dual_clip_c: _Optional[float] = ..., cispo_max_weight: _Optional[float] = ..., weight_sync: _Optional[_Union[WeightSync, str]] = ..., eval_every: _Optional[int] = ..., eval_prompts: _Optional[int] = ..., adam_beta1: _Optional[float] = ..., adam_beta2: _Optional[float] = ..., overlong_cache_len: _Optional[int] = ..., mini_batch_prompts: _Optional[int] = ..., ppo_epochs: _Optional[int] = ..., tis_cap: _Optional[float] = ..., max_staleness: _Optional[int] = ..., max_bad_steps: _Optional[int] = ..., activation_checkpointing: _Optional[bool] = ..., kl_pass: _Optional[bool] = ..., prompt_format: _Optional[_Union[PromptFormat, str]] = ..., system_prompt: _Optional[str] = ..., prompt_field: _Optional[str] = ..., answer_field: _Optional[str] = ..., eval_dataset: _Optional[_Iterable[str]] = ..., log_to: _Optional[_Iterable[str]] = ..., wandb_project: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., task: _Optional[str] = ..., dataset: _Optional[str] = ..., reward: _Optional[str] = ..., loss: _Optional[_Union[Loss, str]] = ..., entropy_top_frac: _Optional[float] = ..., mask_scope: _Optional[_Union[MaskScope, str]] = ..., mask_norm: _Optional[_Union[MaskNorm, str]] = ..., num_steps: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., lr: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., micro_batch_size: _Optional[int] = ..., save_every: _Optional[int] = ..., keep_checkpoints: _Optional[int] = ..., run_dir: _Optional[str] = ..., resume: _Optional[bool] = ..., seed: _Optional[int] = ..., rollout_addresses: _Optional[_Iterable[str]] = ..., kl_beta: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., weight_decay: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., dynamic_sampling: _Optional[bool] = ..., max_gen_batches: _Optional[int] = ..., dual_clip_c: _Optional[float] = ..., cispo_max_weight: _Optional[float] = ..., weight_sync: _Optional[_Union[WeightSync, str]] = ..., eval_every: _Optional[int] = ..., eval_prompts: _Optional[int] = ..., adam_beta1: _Optional[float] = ..., adam_beta2: _Optional[float] = ..., overlong_cache_len: _Optional[int] = ..., mini_batch_prompts: _Optional[int] = ..., ppo_epochs: _Optional[int] = ..., tis_cap: _Optional[float] = ..., max_staleness: _Optional[int] = ..., max_bad_steps: _Optional[int] = ..., activation_checkpointing: _Optional[bool] = ..., kl_pass: _Optional[bool] = ..., max_tokens_per_micro_batch: _Optional[int] = ..., prompt_format: _Optional[_Union[PromptFormat, str]] = ..., system_prompt: _Optional[str] = ..., prompt_field: _Optional[str] = ..., answer_field: _Optional[str] = ..., eval_dataset: _Optional[_Iterable[str]] = ..., log_to: _Optional[_Iterable[str]] = ..., wandb_project: _Optional[str] = ...) -> None: ...
 
 class StartRunRequest(_message.Message):
     __slots__ = ("config",)
