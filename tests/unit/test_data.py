@@ -12,6 +12,7 @@ from forkrl.data.datasets import (
     Fields,
     ProblemTable,
     benchmark_names,
+    check_dataset,
     load_benchmark,
     load_eval_sets,
     load_jsonl,
@@ -309,3 +310,23 @@ def test_eval_sets_are_the_eval_split_or_the_first_problems_of_each_benchmark(tm
     assert name == "" and problems == make_split("sum3", "eval", 4, 0)
     assert benchmark_names(["x/math500.parquet", "y/gsm8k_saved/", "z/a b.jsonl"]) == ["math500", "gsm8k_saved",
                                                                                         "a_b"]
+
+
+def test_a_split_template_is_replaced_literally_never_formatted(tmp_path):
+    """issue 42 item 2: `{split}` was filled with str.format, so a format spec in the path chose the file:
+    `{split:.<2.0}` formats to `..` (the run read a file outside its folder)."""
+    (tmp_path / "root" / "train").mkdir(parents=True)
+    write_jsonl(tmp_path / "secret.jsonl", [{"prompt": "outside", "answer": "1"}])
+    climb = str(tmp_path / "root" / "{split}" / "{split:.<2.0}" / "{split:.<2.0}" / "secret.jsonl")
+    for path in (climb, str(tmp_path / "{split:>100000000}.jsonl"), str(tmp_path / "{0}-{split}.jsonl"),
+                 str(tmp_path / "{split}}.jsonl")):
+        with pytest.raises(ValueError, match="^dataset: '.*' is not a field a dataset path may hold"):
+            load_problems(dataset=path, split="train")
+        with pytest.raises(ValueError, match="is not a field a dataset path may hold"):
+            check_dataset(path, ("train",))
+    from forkrl.data.datasets import split_path
+
+    assert split_path("d/{split}/{split}.jsonl", "eval") == "d/eval/eval.jsonl"
+    assert split_path("d/all.jsonl", "train") == "d/all.jsonl"
+    with pytest.raises(ValueError, match="split must be one of"):
+        split_path("d/{split}.jsonl", "..")
