@@ -4,8 +4,8 @@
 - a JSONL file (one JSON object per line; blank lines skipped),
 - a Parquet file (verl's and DAPO-Math-17k's schema: `prompt` a list of messages, `reward_model.ground_truth`),
 - a Hugging Face `datasets` folder written by `save_to_disk` (a Dataset, or a DatasetDict),
-- any other local folder `datasets.load_dataset` reads (data files: parquet, json, csv, ...; the installed
-  `datasets` no longer runs loading scripts).
+- any other local folder `datasets.load_dataset` reads (data files: parquet, json, csv, ...). A folder holding a
+  loading script (`*.py`) is refused: `datasets>=4` (pyproject.toml) runs none, and forkrl refuses them anyway.
 
 Fields: `prompt_field` and `answer_field` name them, dotted for nested ones (`reward_model.ground_truth`,
 `extra_info.question`); empty = auto-detection, per row, the first present of
@@ -184,6 +184,10 @@ def _load_folder(path: Path) -> Any:
 
     if _is_saved_dataset(path):
         return datasets.load_from_disk(str(path))
+    scripts = sorted(p.name for p in path.glob("*.py"))
+    if scripts:  # datasets < 4 ran such a script (HF_DATASETS_TRUST_REMOTE_CODE); forkrl runs no code of a dataset
+        raise ValueError(f"dataset {path}: holds a loading script ({', '.join(scripts[:3])}); forkrl never runs "
+                         "a dataset's code: give its data files (parquet, jsonl, ...) or a `save_to_disk` folder")
     try:
         return datasets.load_dataset(str(path))
     except Exception as exc:  # noqa: BLE001 - the library's own message says what it found (no data files, ...)

@@ -4,6 +4,7 @@ row and field; splits; the lazy read of a large file."""
 
 import json
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -330,3 +331,29 @@ def test_a_split_template_is_replaced_literally_never_formatted(tmp_path):
     assert split_path("d/all.jsonl", "train") == "d/all.jsonl"
     with pytest.raises(ValueError, match="split must be one of"):
         split_path("d/{split}.jsonl", "..")
+
+
+def test_datasets_is_pinned_to_a_version_that_runs_no_loading_script(tmp_path, monkeypatch):
+    """issue 42 item 12: `datasets>=3.0` allowed 3.x, which honours HF_DATASETS_TRUST_REMOTE_CODE and runs a
+    folder's loading script. The pin excludes every 3.x, the installed version satisfies it, and a folder with a
+    loading script is refused without running it (even with the variable set)."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    (pin,) = [Requirement(r) for r in pyproject["project"]["dependencies"] if Requirement(r).name == "datasets"]
+    assert not any(pin.specifier.contains(v) for v in ("3.0.0", "3.6.0", "3.99")), pin
+    assert pin.specifier.contains(importlib.metadata.version("datasets")), pin
+
+    marker = tmp_path / "ran"
+    folder = tmp_path / "scripted"
+    folder.mkdir()
+    (folder / "scripted.py").write_text(f"open({str(marker)!r}, 'w').close()\nimport datasets\n")
+    write_jsonl(folder / "data.jsonl", [{"prompt": "p", "answer": "1"}])
+    monkeypatch.setenv("HF_DATASETS_TRUST_REMOTE_CODE", "1")
+    with pytest.raises(ValueError, match=r"holds a loading script \(scripted\.py\); forkrl never runs a dataset's"):
+        load_benchmark(folder, cache_dir=str(tmp_path / "cache"))
+    assert not marker.exists()
