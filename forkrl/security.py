@@ -138,22 +138,43 @@ class OutsideRoots(PermissionError):
     """A path that resolves (symlinks followed) outside the roots a service may use: PERMISSION_DENIED / 403."""
 
 
+PATH_MAX = 4096  # bytes of a whole path (Linux)
+NAME_MAX = 255  # bytes of one name in it
+
+
+def _shown(path: str | os.PathLike, limit: int = 200) -> str:
+    text = repr(str(path))
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def confine_path(path: str | os.PathLike, roots: Sequence[Path], what: str, setting: str) -> Path:
     """The real path of `path` (symlinks followed) when it lies inside one of `roots` (real paths).
 
     '..' anywhere → ValueError (a request that tries to climb out is malformed, whatever it resolves to);
     outside → OutsideRoots naming `setting` (the roots' setting, e.g. "the trainer's runs_root (--runs-root)")
     and, when a symlink leads out, where it leads. A path that does not exist yet is resolved as far as it
-    exists (a new run dir inside a symlinked folder is judged by where the folder leads)."""
+    exists (a new run dir inside a symlinked folder is judged by where the folder leads). A path the file system
+    cannot take (its real path longer than PATH_MAX or a name longer than NAME_MAX, wherever the working directory
+    puts a relative one) or cannot resolve (a symlink loop, I/O) → ValueError naming `what`. Messages echo at
+    most 200 characters of the path."""
     p = Path(path).expanduser()
     if ".." in p.parts:
-        raise ValueError(f"{what} {str(path)!r} must not contain '..'")
-    real = p.resolve()
+        raise ValueError(f"{what} {_shown(path)} must not contain '..'")
+    try:
+        real = p.resolve()
+    except (OSError, RuntimeError) as err:  # RuntimeError: Python 3.11's "Symlink loop"
+        raise ValueError(f"{what} {_shown(path)} cannot be resolved: {getattr(err, 'strerror', None) or err}") \
+            from None
+    longest = max((len(os.fsencode(part)) for part in real.parts), default=0)
+    if len(os.fsencode(real)) > PATH_MAX or longest > NAME_MAX:
+        raise ValueError(f"{what} {_shown(path)} is too long for the file system: its real path {_shown(real, 80)} "
+                         f"has {len(os.fsencode(real)):,} bytes (at most {PATH_MAX}), its longest name {longest:,} "
+                         f"(at most {NAME_MAX})")
     if not any(real == r or real.is_relative_to(r) for r in roots):
         allowed = [str(r) for r in roots]
         if real != p.absolute():  # a symlink (of the path or of a folder above it) leads out
-            raise OutsideRoots(f"{what} {str(path)!r} links outside {setting} {allowed} (to {str(real)!r})")
-        raise OutsideRoots(f"{what} {str(path)!r} is outside {setting} {allowed}")
+            raise OutsideRoots(f"{what} {_shown(path)} links outside {setting} {allowed} (to {_shown(real)})")
+        raise OutsideRoots(f"{what} {_shown(path)} is outside {setting} {allowed}")
     return real
 
 
