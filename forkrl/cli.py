@@ -172,7 +172,8 @@ class TokenSettings(CliSettings):
     --token-file: a flag is visible to every user of the machine in `ps`. Unset (and no file): the service
     runs open on a loopback address, with a warning, and refuses to start on any other address."""
     token_file: str | None = None
-    """File holding the token (env FORKRL_TOKEN_FILE); used when no token is given directly."""
+    """File holding the token (env FORKRL_TOKEN_FILE); used when no token is given directly. It must be owned by the
+    service's user with no permission for group or others (chmod 600): any other is refused."""
     tls_cert_file: str | None = None
     """TLS: the server's certificate chain (PEM; env FORKRL_TLS_CERT). Set with tls_key_file, the service
     speaks TLS only; clients then need FORKRL_TLS_CA (the CA that signed it). Unset: plaintext."""

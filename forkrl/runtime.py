@@ -7,7 +7,9 @@ Why each one (the measurements: docs/results.md, "Numbers moved out of docstring
 - VLLM_CPU_KVCACHE_SPACE: unset, vLLM's CPU backend claims most of the RAM and starts several times slower.
 - VLLM_HOST_IP: otherwise the engine's message queue binds the machine's external address.
 - VLLM_RPC_BASE_PATH / VLLM_CACHE_ROOT / TORCHINDUCTOR_CACHE_DIR: keep sockets and compile caches in
-  the project's cache dir instead of /tmp and ~/.cache.
+  the project's cache dir instead of /tmp and ~/.cache. A unix socket's path has at most 107 bytes, so where the
+  checkout's cache dir is too long for vLLM's sockets (`<dir>/<uuid4>`) they go to a per-user folder of the
+  temporary directory instead, created 0700 and refused unless this user owns it and it is private (`rpc_dir`).
 - OMP_NUM_THREADS: two CPU-bound processes with a thread per core each oversubscribe the cores and slow each
   other down by an order of magnitude.
 - OMP_WAIT_POLICY=PASSIVE for the engines (rollout, probe): their waiting OpenMP threads sleep instead of spinning
@@ -30,10 +32,38 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SOCKET_PATH_MAX = 107  # bytes of a unix socket's path (sockaddr_un.sun_path, less its NUL)
+_RPC_NAME = 37  # vLLM binds its engine's sockets at <VLLM_RPC_BASE_PATH>/<uuid4>
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("FORKRL_CACHE_DIR", REPO_ROOT / ".cache"))
+
+
+def rpc_dir(cache: Path) -> Path:
+    """Where vLLM's engine binds its unix sockets: `<cache>/vllm-rpc`, or, when a socket there would be longer than
+    SOCKET_PATH_MAX (a checkout under a long folder: every engine failed to start), `forkrl-rpc-<uid>` in the
+    temporary directory: created 0700, and RuntimeError naming it unless it is a folder (not a link) this user owns
+    that no one else may enter."""
+    wanted = cache / "vllm-rpc"
+    if len(os.fsencode(wanted)) + _RPC_NAME <= SOCKET_PATH_MAX:
+        return wanted
+    import stat
+    import tempfile
+
+    short = Path(tempfile.gettempdir()) / f"forkrl-rpc-{os.getuid()}"
+    try:
+        short.mkdir(mode=0o700)
+        short.chmod(0o700)  # mkdir's mode is filtered by the umask
+    except FileExistsError:
+        pass
+    st = short.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise RuntimeError(f"{short} (vLLM's socket folder: the cache dir {cache} is too long for a socket path) must "
+                           f"be a folder owned by uid {os.getuid()} with mode 0700, got mode "
+                           f"{stat.S_IMODE(st.st_mode):04o}, owner {st.st_uid}: remove it, or set VLLM_RPC_BASE_PATH "
+                           f"or FORKRL_CACHE_DIR to a folder of at most {SOCKET_PATH_MAX - _RPC_NAME} bytes")
+    return short
 
 
 def apply_runtime_env(threads: int | None = None) -> None:
@@ -42,7 +72,6 @@ def apply_runtime_env(threads: int | None = None) -> None:
     defaults = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_RPC_BASE_PATH": str(cache / "vllm-rpc"),
         "VLLM_CACHE_ROOT": str(cache / "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -58,6 +87,8 @@ def apply_runtime_env(threads: int | None = None) -> None:
         defaults["MKL_NUM_THREADS"] = str(threads)
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        os.environ["VLLM_RPC_BASE_PATH"] = str(rpc_dir(cache))
     Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
 
 

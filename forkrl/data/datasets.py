@@ -4,8 +4,8 @@
 - a JSONL file (one JSON object per line; blank lines skipped),
 - a Parquet file (verl's and DAPO-Math-17k's schema: `prompt` a list of messages, `reward_model.ground_truth`),
 - a Hugging Face `datasets` folder written by `save_to_disk` (a Dataset, or a DatasetDict),
-- any other local folder `datasets.load_dataset` reads (data files: parquet, json, csv, ...; the installed
-  `datasets` no longer runs loading scripts).
+- any other local folder `datasets.load_dataset` reads (data files: parquet, json, csv, ...). A folder holding a
+  loading script (`*.py`) is refused: `datasets>=4` (pyproject.toml) runs none, and forkrl refuses them anyway.
 
 Fields: `prompt_field` and `answer_field` name them, dotted for nested ones (`reward_model.ground_truth`,
 `extra_info.question`); empty = auto-detection, per row, the first present of
@@ -23,7 +23,9 @@ memory-mapped and reused while the file is unchanged; problems are built from it
 
 Splits: a file is split like the built-in tasks, by a hash of the prompt (one prompt in ten goes to `eval`),
 so train and eval never share a prompt. To use separate files instead, put `{split}` in the path
-(`data/{split}.parquet`); each file is then used whole for its split. A DatasetDict folder with a `train` split
+(`data/{split}.parquet`); each file is then used whole for its split. `{split}` is replaced as written (a plain
+replace, not str.format); any other brace in a dataset path (`{split:>9}`, `{0}`) is refused (`split_path`), and
+the trainer confines each file it names (forkrl/training/rules.py). A DatasetDict folder with a `train` split
 and an `eval`/`test`/`validation` split is used the same way; with one split only, that split is hash-split.
 
     from forkrl.data.datasets import load_problems, load_benchmark
@@ -46,6 +48,7 @@ from forkrl.data.answers import last_boxed_only_string, remove_boxed
 from forkrl.data.tasks import DEFAULT_TASK, SPLITS, Problem, make_split, split_of
 
 DATASET_ENV = "RL_DATASET_PATH"
+SPLIT_FIELD = "{split}"  # in a dataset path: one file per split (replaced literally, never str.format)
 PROMPT_FIELDS = ("prompt", "question", "problem")
 ANSWER_FIELDS = ("answer", "solution", "ground_truth")
 EVAL_SPLIT_NAMES = ("eval", "test", "validation")  # a DatasetDict's split used as our eval split
@@ -181,6 +184,10 @@ def _load_folder(path: Path) -> Any:
 
     if _is_saved_dataset(path):
         return datasets.load_from_disk(str(path))
+    scripts = sorted(p.name for p in path.glob("*.py"))
+    if scripts:  # datasets < 4 ran such a script (HF_DATASETS_TRUST_REMOTE_CODE); forkrl runs no code of a dataset
+        raise ValueError(f"dataset {path}: holds a loading script ({', '.join(scripts[:3])}); forkrl never runs "
+                         "a dataset's code: give its data files (parquet, jsonl, ...) or a `save_to_disk` folder")
     try:
         return datasets.load_dataset(str(path))
     except Exception as exc:  # noqa: BLE001 - the library's own message says what it found (no data files, ...)
@@ -331,14 +338,31 @@ def load_jsonl(path: str | os.PathLike | None = None, fields: Fields = Fields())
     return list(load_benchmark(path, fields))
 
 
+def split_path(path: str, split: str, what: str = "dataset") -> str:
+    """The file of `split` ("train"/"eval") that a dataset path names: each `{split}` replaced by the split's name,
+    literally (str.format would honour a format spec: `{split:.<2.0}` formats to `..`, `{split:>100000000}`
+    allocates 100 MB); a path without it, as it is. ValueError naming `what` and the field for any other brace
+    in the path: braces in a dataset path are reserved for `{split}`. Callers confine the path this returns."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    rest = path.replace(SPLIT_FIELD, "")
+    if "{" in rest or "}" in rest:
+        field = re.search(r"\{[^{}]*\}?|\}", rest)
+        shown = field.group(0) if field else "{"
+        shown = shown if len(shown) <= 40 else shown[:40] + "..."
+        raise ValueError(f"{what}: {shown!r} is not a field a dataset path may hold: only {SPLIT_FIELD!r}, exactly "
+                         "as written (no format spec, no other name), is replaced, by train or eval")
+    return path.replace(SPLIT_FIELD, split)
+
+
 def check_dataset(path: str, splits: Sequence[str] = SPLITS, fields: Fields = Fields(),
                   cache_dir: str | None = None) -> None:
     """Before a run: the dataset reads, every row is valid and each of `splits` has problems."""
     for split in splits:
-        if "{split}" in path:
-            open_dataset(path.format(split=split), None, fields, cache_dir)
+        if SPLIT_FIELD in path:
+            open_dataset(split_path(path, split), None, fields, cache_dir)
         else:
-            open_dataset(path, split, fields, cache_dir)
+            open_dataset(split_path(path, split), split, fields, cache_dir)
 
 
 def _take(pool: Sequence[Problem], n: int | None, seed: int) -> Sequence[Problem]:
@@ -384,10 +408,10 @@ def load_problems(
             raise ValueError("n is required for a built-in task (its problems are generated)")
         return make_split(task, split, n, seed)
     assert dataset is not None
-    if "{split}" in dataset:
-        pool = open_dataset(dataset.format(split=split), None, fields, cache_dir)
+    if SPLIT_FIELD in dataset:
+        pool = open_dataset(split_path(dataset, split), None, fields, cache_dir)
     else:
-        pool = open_dataset(dataset, split, fields, cache_dir)
+        pool = open_dataset(split_path(dataset, split), split, fields, cache_dir)
     return _take(pool, n, seed)
 
 

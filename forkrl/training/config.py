@@ -199,7 +199,8 @@ class RunConfig(BaseModel):
     eval_dataset: list[str] = Field([], max_length=32)
     """Benchmark file(s) or folder(s) for the in-training eval instead of the eval split (same kinds as
     --dataset, read whole, the first eval_prompts problems of each); several as a comma-separated list or a
-    repeated flag. eval_accuracy is over all of them, eval_accuracy_<name> per file."""
+    repeated flag. eval_accuracy is over all of them, eval_accuracy_<name> per file. At most 32, each at most 4096
+    bytes, 255 per name in it."""
     log_to: list[LogTarget] = ["jsonl", "tensorboard"]
     """Where the step and eval metrics go: jsonl (metrics.jsonl, always written: resume and the curves read it),
     tensorboard (<run_dir>/tb), wandb (Weights & Biases: the optional extra `wandb`; WANDB_MODE=offline writes
@@ -214,14 +215,15 @@ class RunConfig(BaseModel):
         check_top_frac(v)
         return v
 
-    @field_validator("model", "dataset", "run_dir")
+    @field_validator("model", "dataset", "run_dir", "eval_dataset")
     @classmethod
-    def _check_path(cls, v: str, info: ValidationInfo) -> str:
-        longest = max(len(part.encode()) for part in v.split("/"))
-        if len(v.encode()) > MAX_PATH_CHARS or longest > MAX_NAME_BYTES:
-            raise ValueError(f"{info.field_name} must have at most {MAX_PATH_CHARS} bytes (UTF-8), at most "
-                             f"{MAX_NAME_BYTES} per name in it, got {len(v.encode()):,} bytes, the longest name "
-                             f"{longest:,}")
+    def _check_path(cls, v: str | list[str], info: ValidationInfo) -> str | list[str]:
+        for path in [v] if isinstance(v, str) else v:  # eval_dataset: each path
+            longest = max(len(part.encode()) for part in path.split("/"))
+            if len(path.encode()) > MAX_PATH_CHARS or longest > MAX_NAME_BYTES:
+                raise ValueError(f"{info.field_name} must have at most {MAX_PATH_CHARS} bytes (UTF-8), at most "
+                                 f"{MAX_NAME_BYTES} per name in it, got {len(path.encode()):,} bytes, the longest "
+                                 f"name {longest:,}")
         return v
 
     @field_validator("rollout_addresses")

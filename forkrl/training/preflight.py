@@ -4,24 +4,29 @@
                                                        # dataset's rows, the prompt format and the reward checked
     cfg = check_values(cfg)     # the same checks except those that need the files (recipes, tests)
 
-ValueError → the request is wrong (INVALID_ARGUMENT); PermissionError → this trainer does not allow it
-(PERMISSION_DENIED: a path outside its roots, a rollout address it does not know, a custom reward);
+ValueError → the request is wrong (INVALID_ARGUMENT; a path field's message starts with the field's name, and a
+path the file system cannot read, too long or unreadable, is one too); PermissionError → this trainer does not
+allow it (PERMISSION_DENIED: a path outside its roots, a rollout address it does not know, a custom reward);
 FileNotFoundError → the world is not ready for it (FAILED_PRECONDITION: e.g. resume without a checkpoint).
 The training loop receives the resolved config and never resolves again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from forkrl.cli import shown
 from forkrl.data.datasets import Fields, check_dataset, load_benchmark
 from forkrl.data.prompts import check_prompt_format, check_reward_format
 from forkrl.data.rewards import get_reward_fn
 from forkrl.data.tasks import DEFAULT_TASK, get_task
 from forkrl.models.tiny import default_model_dir
 from forkrl.rl.head import logits_post
+from forkrl.security import OutsideRoots
 from forkrl.training.config import RunConfig
 from forkrl.training.rules import RunRules, confine_run
 from forkrl.weights.checkpoint import latest_checkpoint
@@ -94,6 +99,39 @@ def check_architecture(cfg: RunConfig) -> None:
         raise ValueError(f"model: {e}") from None
 
 
+def _named(field: str, message: str) -> str:
+    """`message` starting with `field`: a dataset reader's "dataset ..." becomes "eval_dataset ..."."""
+    if message.startswith(field):
+        return message
+    if message.startswith("dataset"):
+        return field + message[len("dataset"):]
+    return f"{field}: {message}"
+
+
+@contextlib.contextmanager
+def _reading(field: str, value: str, rename: bool = True) -> Iterator[None]:
+    """The errors of reading the path(s) of one field, as ValueError (INVALID_ARGUMENT) naming the field, wherever
+    the path lands: a file system error (a name too long, no permission, a symlink loop, I/O) and, with `rename`,
+    the readers' own ValueErrors (a dataset reader says "dataset" also for an eval_dataset file)."""
+    try:
+        yield
+    except OutsideRoots:
+        raise
+    except OSError as err:
+        why = err.strerror or str(err)
+        raise ValueError(f"{field} {shown(value, 200)} cannot be read: {why}"
+                         + (f" ({shown(err.filename, 200)})" if err.filename and err.filename != value else "")) \
+            from None
+    except RuntimeError as err:  # Python 3.11's pathlib: "Symlink loop from ..."
+        if not str(err).startswith("Symlink loop"):
+            raise
+        raise ValueError(f"{field} {shown(value, 200)} cannot be read: {err}") from None
+    except ValueError as err:
+        if not rename:
+            raise
+        raise ValueError(_named(field, str(err))) from None
+
+
 def preflight(cfg: RunConfig, rules: RunRules | None = None) -> RunConfig:
     """The resolved config, after the checks that need the filesystem: a bad run fails before it starts.
     With `rules` (the trainer service always passes its own) paths, rollout addresses and the reward are
@@ -103,20 +141,25 @@ def preflight(cfg: RunConfig, rules: RunRules | None = None) -> RunConfig:
         cfg = resolve(cfg)
         cfg = cfg.model_copy(update=confine_run(cfg, rules))
     cfg = check_values(cfg)
-    if not (Path(cfg.model) / "config.json").is_file():
-        raise ValueError(f"model: {cfg.model!r} is not an HF checkpoint directory (no config.json)")
+    with _reading("model", cfg.model):
+        if not (Path(cfg.model) / "config.json").is_file():
+            raise ValueError(f"model: {shown(cfg.model, 200)} is not an HF checkpoint directory (no config.json)")
     fields = Fields(cfg.prompt_field, cfg.answer_field)
     if cfg.dataset:  # every row read and checked (and the normalized table cached for the run)
-        check_dataset(cfg.dataset, ("train", "eval") if cfg.eval_prompts and not cfg.eval_dataset else ("train",),
-                      fields)
+        with _reading("dataset", cfg.dataset):
+            check_dataset(cfg.dataset, ("train", "eval") if cfg.eval_prompts and not cfg.eval_dataset
+                          else ("train",), fields)
     for bench in cfg.eval_dataset:
-        load_benchmark(bench, fields)
+        with _reading("eval_dataset", bench):
+            load_benchmark(bench, fields)
     check_context(cfg)
-    check_architecture(cfg)
-    check_prompt_format(cfg.model, cfg.prompt_format, cfg.system_prompt)  # a chat format needs a chat template
+    with _reading("model", cfg.model, rename=False):
+        check_architecture(cfg)
+        check_prompt_format(cfg.model, cfg.prompt_format, cfg.system_prompt)  # a chat format needs a chat template
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
-        has_ckpt = latest_checkpoint(run_dir) is not None
+        with _reading("run_dir", cfg.run_dir):
+            has_ckpt = latest_checkpoint(run_dir) is not None
         if cfg.resume and not has_ckpt:
             raise FileNotFoundError(f"resume: no complete checkpoint in {run_dir / 'checkpoints'}")
         if not cfg.resume and has_ckpt:

@@ -90,6 +90,22 @@ def check_bounds(cfg: Any, rules: RunRules) -> None:
                          f"{rules.max_eval_tokens:,}; " + _raise_it("max_eval_tokens", evals))
 
 
+def confine_dataset(path: str, roots: list[Path]) -> str:
+    """The real path of a dataset path, and every file it names confined: with `{split}` (one file per split) each
+    substituted path (train, eval) is checked, not the template as written: `data/{split}.jsonl` may name a
+    symlink out, and the template's other braces are refused (forkrl/data/datasets.py: split_path)."""
+    from forkrl.data.datasets import SPLIT_FIELD, split_path
+    from forkrl.data.tasks import SPLITS
+
+    for split in SPLITS:  # ValueError for a brace other than {split}, before any path is resolved
+        confine_path(split_path(path, split), roots, "dataset", READ_ROOTS)
+    real = str(confine_path(path, roots, "dataset", READ_ROOTS))
+    if SPLIT_FIELD in path:  # the template's folders resolved: what the run opens must still be inside
+        for split in SPLITS:
+            confine_path(split_path(real, split), roots, "dataset", READ_ROOTS)
+    return real
+
+
 def confine_run(cfg: Any, rules: RunRules) -> dict[str, Any]:
     """Check a RunConfig against the rules; returns the fields to replace (the real paths of model, dataset,
     eval_dataset and run_dir). Runs before the reward is imported and before any path is opened; the caps of one step
@@ -108,7 +124,7 @@ def confine_run(cfg: Any, rules: RunRules) -> dict[str, Any]:
     if cfg.model:
         updates["model"] = str(confine_path(cfg.model, rules.read_roots, "model", READ_ROOTS))
     if cfg.dataset:
-        updates["dataset"] = str(confine_path(cfg.dataset, rules.read_roots, "dataset", READ_ROOTS))
+        updates["dataset"] = confine_dataset(cfg.dataset, rules.read_roots)
     if getattr(cfg, "eval_dataset", None):
         updates["eval_dataset"] = [str(confine_path(p, rules.read_roots, "eval_dataset", READ_ROOTS))
                                    for p in cfg.eval_dataset]

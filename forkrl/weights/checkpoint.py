@@ -1,4 +1,4 @@
-"""Atomic HF checkpoints with resumable trainer state, without pickle.
+"""Atomic HF checkpoints with resumable trainer state.
 
 Layout (what the probe and `--resume` read):
 
@@ -15,6 +15,14 @@ resumes either kind on any number of ranks.
 A checkpoint is written into a hidden temp dir next to its final place and renamed when complete
 (`forkrl.files.atomic_dir`), so a crash leaves either the whole checkpoint or an ignorable `.tmp-*` dir,
 never a half checkpoint that looks whole.
+
+Pickle: a 1-rank checkpoint holds none (safetensors and JSON). A multi-rank one keeps its AdamW state with
+torch.distributed.checkpoint, whose `.metadata` file IS a pickle, unpickled on resume: resuming trusts the run
+directory (whoever can write into it can run code in the trainer), as it trusts the model files. What a
+checkpoint names is confined to it (`checkpoint_path`): the optimizer `dir` of trainer_state.json and every
+shard file the DCP metadata lists must be relative paths without '..' that resolve, symlinks followed, inside the
+checkpoint directory; anything else is refused (the `dir` before its pickle is read, each shard before it is:
+an absolute `dir` once had resume unpickle a file anywhere on the machine).
 """
 
 from __future__ import annotations
@@ -104,6 +112,24 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def read_state(ckpt: Path) -> dict[str, Any]:
     return json.loads((Path(ckpt) / STATE_FILE).read_text())
+
+
+def checkpoint_path(ckpt: Path | str, name: Any, what: str) -> Path:
+    """`ckpt / name` for a path a checkpoint names (its trainer_state.json's optimizer dir, a DCP shard file), when
+    `name` is a relative path without '..' that resolves (symlinks followed) inside `ckpt`; ValueError naming
+    `what`, the checkpoint and the path otherwise. Nothing is opened."""
+    root = Path(ckpt).resolve()
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise ValueError(f"checkpoint {str(ckpt)!r}: {what} must be a non-empty relative path, got {name!r:.200}")
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise ValueError(f"checkpoint {str(ckpt)!r}: {what} {name!r:.200} must be a path inside the checkpoint "
+                         "(relative, no '..'): resume reads only what the checkpoint directory holds")
+    real = (root / rel).resolve()
+    if not real.is_relative_to(root):
+        raise ValueError(f"checkpoint {str(ckpt)!r}: {what} {name!r:.200} links outside the checkpoint (to "
+                         f"{str(real)!r:.200}): resume reads only what the checkpoint directory holds")
+    return real
 
 
 def load_optimizer_state(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

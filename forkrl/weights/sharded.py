@@ -27,6 +27,11 @@ The DCP folder is written by every rank into rank 0's temporary checkpoint dir (
 on several hosts the run dir must be on a filesystem they all share (rank 0 checks that every shard file
 the .metadata names is there before it publishes the checkpoint). The checkpoint is published atomically
 by rank 0 (`forkrl.files.atomic_dir`) after every rank's shards are written.
+
+The DCP `.metadata` is a pickle, unpickled on resume: resuming trusts the run directory. The optimizer `dir` that
+trainer_state.json names and every shard file the metadata lists must lie inside the checkpoint (relative, no
+'..', no symlink out: forkrl/weights/checkpoint.py `checkpoint_path`); the `dir` is checked before the pickle
+is read.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from forkrl.files import atomic_dir, atomic_write_json
-from forkrl.weights.checkpoint import OPTIM_FILE, STATE_FILE, load_optimizer_state, read_state
+from forkrl.weights.checkpoint import OPTIM_FILE, STATE_FILE, checkpoint_path, load_optimizer_state, read_state
 
 __all__ = ["DCP_DIR", "gathered_optimizer_state", "load_optimizer_any", "save_sharded_checkpoint"]
 
@@ -119,6 +124,19 @@ def _check_shards_present(path: Path) -> None:
                            "run dir must be on a filesystem every host shares")
 
 
+def _dcp_dir(ckpt: Path, meta: dict[str, Any]) -> Path:
+    """The DCP folder trainer_state.json names, confined to the checkpoint (checkpoint_path) before its `.metadata`
+    (a pickle) is read; then every shard file that metadata lists, confined the same way."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = checkpoint_path(ckpt, meta.get("dir", DCP_DIR), "trainer_state.json's optimizer dir")
+    checkpoint_path(ckpt, str(path.relative_to(ckpt.resolve()) / ".metadata"), "the DCP .metadata file")
+    storage = FileSystemReader(str(path)).read_metadata().storage_data or {}
+    for info in storage.values():
+        checkpoint_path(path, getattr(info, "relative_path", None), "a DCP shard file")
+    return path
+
+
 def load_optimizer_any(ckpt: Path | str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Restore the AdamW state and torch RNG state of any checkpoint into this run's model and optimizer.
 
@@ -137,14 +155,15 @@ def load_optimizer_any(ckpt: Path | str, model: torch.nn.Module, optimizer: torc
         set_optimizer_state_dict,
     )
 
+    dcp_dir = _dcp_dir(ckpt, meta) if meta.get("format") == "dcp" else None  # refused before anything is loaded
     tensors = load_file(str(ckpt / OPTIM_FILE))
     torch.set_rng_state(tensors.pop("__torch_rng_state__"))
-    if meta.get("format") == "dcp":
+    if dcp_dir is not None:
         import torch.distributed.checkpoint as dcp
 
         # the template: this run's layout (state initialized with zero moments, then overwritten in place)
         osd = get_optimizer_state_dict(model, optimizer)
-        dcp.load({"optimizer": osd}, checkpoint_id=ckpt / meta.get("dir", DCP_DIR))
+        dcp.load({"optimizer": osd}, checkpoint_id=dcp_dir)
         set_optimizer_state_dict(model, optimizer, osd)
         return
     if not meta:  # a checkpoint of a run that had taken no optimizer step

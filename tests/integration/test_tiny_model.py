@@ -28,6 +28,7 @@ from forkrl.models.tiny import (
     read_build_record,
     sha256_file,
 )
+from forkrl.runtime import rpc_dir
 from tests.numerics import logprob_parity
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_CACHE_ROOT": str(REPO / ".cache" / "vllm"),
-    "VLLM_RPC_BASE_PATH": str(REPO / ".cache" / "vllm-rpc"),
+    "VLLM_RPC_BASE_PATH": str(rpc_dir(REPO / ".cache")),  # a short folder when the checkout's path is long
     "TORCHINDUCTOR_CACHE_DIR": str(REPO / ".cache" / "inductor"),
     "VLLM_NO_USAGE_STATS": "1",
 }

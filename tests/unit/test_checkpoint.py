@@ -1,7 +1,9 @@
-"""Atomic checkpoints: complete or absent, resumable optimizer state, no pickle."""
+"""Atomic checkpoints: complete or absent, resumable optimizer state, no pickle (1 rank); what a checkpoint names
+stays inside it."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,102 @@ def test_latest_ignores_incomplete_dirs_and_prefers_highest_step(tmp_path: Path)
     ck.save_checkpoint(tmp_path, "final", model, None, None, {"step": 13, "data_cursor": 0})
     assert ck.read_state(tmp_path / "checkpoints" / "final")["step"] == 13
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+# ---- what a checkpoint names stays inside it (issue 42 item 3) ----------------------------------------------------
+class _Payload:
+    """Unpickled, it creates `marker`: proof that a pickle was loaded."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def _dcp_checkpoint(tmp_path: Path) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
+    """A checkpoint whose AdamW state is in DCP (what N > 1 ranks write), written by this one process."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from forkrl.weights.sharded import DCP_DIR
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    (ckpt / "trainer_state").mkdir(parents=True)
+    dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt / DCP_DIR)
+    save_file({"__torch_rng_state__": torch.get_rng_state()}, str(ckpt / ck.OPTIM_FILE))
+    (ckpt / ck.STATE_FILE).write_text(json.dumps({"step": 1, "optimizer": {"format": "dcp", "dir": DCP_DIR,
+                                                                            "world_size": 2}}))
+    return ckpt, model, opt
+
+
+def _set_dir(ckpt: Path, name: str) -> None:
+    import json
+
+    state = json.loads((ckpt / ck.STATE_FILE).read_text())
+    state["optimizer"]["dir"] = name
+    (ckpt / ck.STATE_FILE).write_text(json.dumps(state))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_resume_unpickles_nothing_outside_the_checkpoint(tmp_path: Path) -> None:
+    """With optimizer format dcp, resume reads <ckpt>/<dir>/.metadata with pickle; `dir` came from
+    trainer_state.json unchecked, so an absolute path (or '..', or a symlink out) had resume unpickle any file."""
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    from forkrl.weights.sharded import gathered_optimizer_state, load_optimizer_any
+
+    ckpt, model, opt = _dcp_checkpoint(tmp_path)
+    expected = gathered_optimizer_state(model, opt)
+    fresh = torch.nn.Linear(4, 3)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_optimizer_any(ckpt, fresh, fresh_opt)  # the genuine layout resumes
+    got = gathered_optimizer_state(fresh, fresh_opt)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+    evil, marker = tmp_path / "evil", tmp_path / "pwned"
+    evil.mkdir()
+    (evil / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    (ckpt / "trainer_state" / "out").symlink_to(evil, target_is_directory=True)
+    (ckpt / "trainer_state" / "meta_out").mkdir()
+    (ckpt / "trainer_state" / "meta_out" / ".metadata").symlink_to(evil / ".metadata")
+    for name, why in [(str(evil), "must be a path inside the checkpoint"),
+                      ("../../../evil", "must be a path inside the checkpoint"),
+                      ("trainer_state/out", "links outside the checkpoint"),
+                      ("trainer_state/meta_out", "the DCP .metadata file .* links outside the checkpoint"),
+                      ("", "must be a non-empty relative path")]:
+        _set_dir(ckpt, name)
+        try:
+            load_optimizer_any(ckpt, fresh, fresh_opt)
+            error = None
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - which error, second: was a pickle loaded?
+            error = err
+        assert not marker.exists(), f"dir {name!r}: a pickle outside the checkpoint was loaded"
+        assert isinstance(error, ValueError) and re.search(f"checkpoint '.*step_000001': .*{why}", str(error)), error
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_resume_reads_no_dcp_shard_outside_the_checkpoint(tmp_path: Path) -> None:
+    import pickle
+
+    from forkrl.weights.sharded import DCP_DIR, load_optimizer_any
+
+    ckpt, model, opt = _dcp_checkpoint(tmp_path)
+    meta_file = ckpt / DCP_DIR / ".metadata"
+    meta = pickle.loads(meta_file.read_bytes())
+    for info in meta.storage_data.values():
+        info.relative_path = "../../../../elsewhere.distcp"
+    meta_file.write_bytes(pickle.dumps(meta))
+    with pytest.raises(ValueError, match=r"a DCP shard file '\.\./\.\./\.\./\.\./elsewhere\.distcp' must be a path "
+                                         "inside the checkpoint"):
+        load_optimizer_any(ckpt, torch.nn.Linear(4, 3), torch.optim.AdamW(model.parameters()))

@@ -4,6 +4,7 @@ row and field; splits; the lazy read of a large file."""
 
 import json
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from forkrl.data.datasets import (
     Fields,
     ProblemTable,
     benchmark_names,
+    check_dataset,
     load_benchmark,
     load_eval_sets,
     load_jsonl,
@@ -309,3 +311,49 @@ def test_eval_sets_are_the_eval_split_or_the_first_problems_of_each_benchmark(tm
     assert name == "" and problems == make_split("sum3", "eval", 4, 0)
     assert benchmark_names(["x/math500.parquet", "y/gsm8k_saved/", "z/a b.jsonl"]) == ["math500", "gsm8k_saved",
                                                                                         "a_b"]
+
+
+def test_a_split_template_is_replaced_literally_never_formatted(tmp_path):
+    """issue 42 item 2: `{split}` was filled with str.format, so a format spec in the path chose the file:
+    `{split:.<2.0}` formats to `..` (the run read a file outside its folder)."""
+    (tmp_path / "root" / "train").mkdir(parents=True)
+    write_jsonl(tmp_path / "secret.jsonl", [{"prompt": "outside", "answer": "1"}])
+    climb = str(tmp_path / "root" / "{split}" / "{split:.<2.0}" / "{split:.<2.0}" / "secret.jsonl")
+    for path in (climb, str(tmp_path / "{split:>100000000}.jsonl"), str(tmp_path / "{0}-{split}.jsonl"),
+                 str(tmp_path / "{split}}.jsonl")):
+        with pytest.raises(ValueError, match="^dataset: '.*' is not a field a dataset path may hold"):
+            load_problems(dataset=path, split="train")
+        with pytest.raises(ValueError, match="is not a field a dataset path may hold"):
+            check_dataset(path, ("train",))
+    from forkrl.data.datasets import split_path
+
+    assert split_path("d/{split}/{split}.jsonl", "eval") == "d/eval/eval.jsonl"
+    assert split_path("d/all.jsonl", "train") == "d/all.jsonl"
+    with pytest.raises(ValueError, match="split must be one of"):
+        split_path("d/{split}.jsonl", "..")
+
+
+def test_datasets_is_pinned_to_a_version_that_runs_no_loading_script(tmp_path, monkeypatch):
+    """issue 42 item 12: `datasets>=3.0` allowed 3.x, which honours HF_DATASETS_TRUST_REMOTE_CODE and runs a
+    folder's loading script. The pin excludes every 3.x, the installed version satisfies it, and a folder with a
+    loading script is refused without running it (even with the variable set)."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    (pin,) = [Requirement(r) for r in pyproject["project"]["dependencies"] if Requirement(r).name == "datasets"]
+    assert not any(pin.specifier.contains(v) for v in ("3.0.0", "3.6.0", "3.99")), pin
+    assert pin.specifier.contains(importlib.metadata.version("datasets")), pin
+
+    marker = tmp_path / "ran"
+    folder = tmp_path / "scripted"
+    folder.mkdir()
+    (folder / "scripted.py").write_text(f"open({str(marker)!r}, 'w').close()\nimport datasets\n")
+    write_jsonl(folder / "data.jsonl", [{"prompt": "p", "answer": "1"}])
+    monkeypatch.setenv("HF_DATASETS_TRUST_REMOTE_CODE", "1")
+    with pytest.raises(ValueError, match=r"holds a loading script \(scripted\.py\); forkrl never runs a dataset's"):
+        load_benchmark(folder, cache_dir=str(tmp_path / "cache"))
+    assert not marker.exists()

@@ -112,3 +112,27 @@ def test_eval_dataset_files_are_confined_like_the_dataset(world) -> None:
         confine_run(RunConfig(eval_dataset=[str(inside), str(world["outside"] / "m")]), rules)
     with pytest.raises(OutsideRoots, match="eval_dataset .* links outside"):
         confine_run(RunConfig(eval_dataset=[str(world["models"] / "escape")]), rules)
+
+
+def test_a_dataset_template_is_confined_file_by_file(world) -> None:
+    """issue 42 item 2: the root check ran on the template as written, the run opened template.format(split=...):
+    `{split:.<2.0}` formats to `..` and a prompt from outside every root was trained on."""
+    rules, models, outside = _rules(world), world["models"], world["outside"]
+    (outside / "secret.jsonl").write_text('{"prompt": "outside", "answer": "1"}\n')
+    (models / "train").mkdir()
+    climb = str(models / "{split}" / "{split:.<2.0}" / "{split:.<2.0}" / "outside" / "secret.jsonl")
+    assert not (models / "train/../../outside/secret.jsonl").resolve().is_relative_to(models.resolve())
+    with pytest.raises(ValueError, match=r"^dataset: '\{split:\.<2\.0\}' is not a field .* only '\{split\}'"):
+        confine_run(RunConfig(dataset=climb), rules)
+    with pytest.raises(ValueError, match=r"^dataset: '\{split:>100000000\}' is not a field"):  # no 100 MB string
+        confine_run(RunConfig(dataset=str(models / "{split:>100000000}.jsonl")), rules)
+    # each file a template names is checked, not the template: train.jsonl is a symlink out
+    (models / "d").mkdir()
+    (models / "d" / "eval.jsonl").write_text('{"prompt": "p", "answer": "1"}\n')
+    (models / "d" / "train.jsonl").symlink_to(outside / "secret.jsonl")
+    with pytest.raises(OutsideRoots, match=r"dataset '.*/d/train\.jsonl' links outside the trainer's allowed_roots"):
+        confine_run(RunConfig(dataset=str(models / "d" / "{split}.jsonl")), rules)
+    (models / "d" / "train.jsonl").unlink()
+    (models / "d" / "train.jsonl").write_text('{"prompt": "p", "answer": "1"}\n')
+    assert confine_run(RunConfig(dataset=str(models / "d" / "{split}.jsonl")), rules) == {
+        "dataset": str((models / "d").resolve() / "{split}.jsonl")}

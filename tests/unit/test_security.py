@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from trainer_service.config import TrainerSettings
 def test_token_comes_from_the_variable_before_the_file(tmp_path: Path) -> None:
     f = tmp_path / "token"
     f.write_text("  from-file\n")
+    f.chmod(0o600)
     assert load_token({"FORKRL_TOKEN": "direct", "FORKRL_TOKEN_FILE": str(f)}) == "direct"
     assert load_token({"FORKRL_TOKEN": " ", "FORKRL_TOKEN_FILE": str(f)}) == "from-file"
     assert load_token({}) is None
@@ -29,6 +31,7 @@ def test_token_comes_from_the_variable_before_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot be read"):
         resolve_token(None, str(tmp_path / "missing"))
     (tmp_path / "empty").write_text("\n")
+    (tmp_path / "empty").chmod(0o600)
     with pytest.raises(ValueError, match="is empty"):
         resolve_token(None, str(tmp_path / "empty"))
 
@@ -70,6 +73,7 @@ def test_every_service_reads_forkrl_token_and_its_file(cls, argv, tmp_path: Path
     assert parse_settings(cls, argv).auth_token() is None
     f = tmp_path / "tok"
     f.write_text("file-token\n")
+    f.chmod(0o600)
     monkeypatch.setenv("FORKRL_TOKEN_FILE", str(f))
     assert parse_settings(cls, argv).auth_token() == "file-token"
     assert parse_settings(cls, [*argv, "--token", "flag-token"]).auth_token() == "flag-token"
@@ -102,3 +106,81 @@ def test_the_probe_refuses_to_start_open_on_a_public_address() -> None:
     done = subprocess.run([sys.executable, "-m", "probe_service", "--host", "0.0.0.0", "--port", "0"], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert done.returncode != 0 and "refusing to listen on 0.0.0.0 without a token" in done.stderr
+
+
+# ---- the token file's modes (issue 42 item 11) --------------------------------------------------------------------
+@pytest.mark.parametrize("mode,who", [(0o644, "read"), (0o640, "read"), (0o604, "read"), (0o620, "write"),
+                                      (0o602, "write"), (0o666, "read")],
+                         ids=lambda v: f"{v:04o}" if isinstance(v, int) else v)
+def test_a_token_file_other_users_can_read_or_write_is_refused(tmp_path: Path, mode: int, who: str,
+                                                               capsys: pytest.CaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "token"
+    f.write_text("s3cret\n")
+    f.chmod(mode)
+    why = rf"token file '{f}' has mode {mode:04o}: other users can {who} it; run `chmod 600 {f}`"
+    with pytest.raises(ValueError, match=why):
+        resolve_token(None, str(f))
+    monkeypatch.delenv("FORKRL_TOKEN")
+    with pytest.raises(SystemExit) as e:  # a service refuses to start on it, naming the file, mode and chmod
+        parse_settings(TrainerSettings, ["--token-file", str(f)])
+    assert e.value.code == 2 and f"has mode {mode:04o}" in capsys.readouterr().err
+    monkeypatch.setenv("FORKRL_TOKEN_FILE", str(f))
+    with pytest.raises(ValueError, match=why):  # a client too
+        load_token()
+    for private in (0o600, 0o400):
+        f.chmod(private)
+        assert resolve_token(None, str(f)) == "s3cret"
+
+
+def test_a_token_file_another_user_owns_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "token"
+    f.write_text("s3cret\n")
+    f.chmod(0o600)
+    other = f.stat().st_uid + 1
+    monkeypatch.setattr(os, "geteuid", lambda: other)  # the reader is someone else than the file's owner
+    with pytest.raises(ValueError, match=rf"token file '{f}' is owned by uid {other - 1}, not by this user "
+                                         rf"\(uid {other}\).*chown {other} {f}"):
+        resolve_token(None, str(f))
+
+
+def test_ensure_token_makes_a_0700_folder_and_never_writes_through_a_planted_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folder took the umask's mode, and the token went to `.token.<pid>.tmp` opened with O_TRUNC and no
+    O_EXCL/O_NOFOLLOW: a symlink planted at that name made ensure-token overwrite the file it pointed to."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    secrets_dir = tmp_path / "data" / "secrets"
+    old_umask = os.umask(0)  # the most permissive umask: the modes must not come from it
+    try:
+        secrets_dir.parent.mkdir(mode=0o755)
+        secrets_dir.mkdir(mode=0o700)
+        (secrets_dir / f".token.{os.getpid()}.tmp").symlink_to(victim)  # the name the old code used
+        path, created = ensure_token_file(secrets_dir / "token")
+        assert created and path.stat().st_mode & 0o777 == 0o600 and victim.read_text() == "precious\n"
+        assert stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700
+        fresh = tmp_path / "new" / "deeper" / "token"
+        ensure_token_file(fresh)
+        assert [stat.S_IMODE(d.stat().st_mode) for d in (fresh.parent.parent, fresh.parent)] == [0o700, 0o700]
+        assert stat.S_IMODE(fresh.stat().st_mode) == 0o600
+    finally:
+        os.umask(old_umask)
+    # a random temporary name, opened O_CREAT|O_EXCL|O_NOFOLLOW: a link at that very name is not followed
+    import forkrl.security as sec
+
+    monkeypatch.setattr(sec.secrets, "token_hex", lambda n=16: "guessed")
+    (tmp_path / "new" / "deeper" / ".token2.guessed.tmp").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        ensure_token_file(tmp_path / "new" / "deeper" / "token2")
+    assert victim.read_text() == "precious\n" and not (tmp_path / "new" / "deeper" / "token2").exists()
+
+
+def test_ensure_token_refuses_an_existing_token_file_that_is_not_private(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "token"
+    f.write_text("kept\n")
+    f.chmod(0o644)
+    monkeypatch.delenv("FORKRL_TOKEN")
+    assert main(["ensure-token", str(f)]) == 1
+    assert "has mode 0644" in capsys.readouterr().err and f.read_text() == "kept\n"
