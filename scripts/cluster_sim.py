@@ -274,10 +274,9 @@ def heal(host: str) -> None:
 def exec_argv(host: str, argv: Sequence[str], *, own_hostname: bool = True) -> list[str]:
     """The command line that runs `argv` on `host`: `ip netns exec` (the host's network, its /etc/hosts), under
     `unshare --uts` with the host's own hostname unless told otherwise. The last process is `argv` itself (each
-    step execs the next), so its pid, process group and exit status are those of the returned command."""
+    step execs the next), so its pid, process group and exit status are those of the returned command. An empty
+    `argv`: the prefix alone, for a launcher that appends its own command."""
     _check_host(host)
-    if not argv:
-        raise ClusterError("exec needs a command")
     prefix = ["ip", "netns", "exec", host]
     if own_hostname:
         prefix += ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host]
@@ -390,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             heal(args.host)
         elif args.cmd == "exec":
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            if not command:
+                raise ClusterError("exec needs a command: exec HOST -- CMD ...")
             argv_ = exec_argv(args.host, command, own_hostname=not args.machine_hostname)
             os.execvp(argv_[0], argv_)
     except ClusterError as e:
