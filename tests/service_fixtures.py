@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,7 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CHARS = list("0123456789+-*=() abcdefghijklmnopqrstuvwxyz.,")
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 # What both services print (trainer: stdout) or log (rollout: stderr) once their port is bound.
-_LISTENING = re.compile(rb"listening on [^\s:]+:(\d+)")
+_LISTENING = re.compile(rb"listening on ([^\s:]+):(\d+)")
 
 T = TypeVar("T")
 
@@ -118,7 +118,8 @@ def wait_until(predicate: Callable[[], T], timeout_s: float, what: str, every_s:
 
 
 class ServiceAddress(str):
-    """ "127.0.0.1:PORT", with the service's `process` (a subprocess.Popen) and `log_path`."""
+    """ "HOST:PORT" (127.0.0.1 unless the service was told another --host), with the service's `process` (a
+    subprocess.Popen) and `log_path`."""
 
     process: subprocess.Popen
     log_path: Path
@@ -187,13 +188,13 @@ def wait_for_health(address: str, timeout_s: float, proc: subprocess.Popen | Non
             time.sleep(0.1)
 
 
-def _read_port(log_path: Path, proc: subprocess.Popen, timeout_s: float) -> int:
-    """The port from the service's "listening on HOST:PORT" line (it binds port 0 itself)."""
+def _read_address(log_path: Path, proc: subprocess.Popen, timeout_s: float) -> str:
+    """HOST:PORT from the service's "listening on HOST:PORT" line (it binds port 0 itself)."""
 
-    def port() -> int | None:
+    def port() -> str | None:
         m = _LISTENING.search(log_path.read_bytes())
         if m:
-            return int(m.group(1))
+            return f"{m.group(1).decode()}:{int(m.group(2))}"
         if proc.poll() is not None:
             raise RuntimeError(f"service exited with code {proc.returncode} before it listened")
         return None
@@ -226,7 +227,7 @@ def _service(
     clean = False
     try:
         try:
-            address = ServiceAddress(f"127.0.0.1:{_read_port(log_path, proc, startup_timeout_s)}")
+            address = ServiceAddress(_read_address(log_path, proc, startup_timeout_s))
             address.process, address.log_path = proc, log_path
             ready(address)
         except Exception as e:
@@ -282,26 +283,31 @@ def start_rollout_service(
     log_path: str | Path | None = None,
     extra_env: dict[str, str] | None = None,
     expect_clean_stop: bool = False,
+    launcher: Sequence[str] = (),
+    ready: Callable[[ServiceAddress], None] | None = None,
     **settings: object,
 ) -> contextlib.AbstractContextManager[ServiceAddress]:
-    """Run the rollout service on a port it binds itself; yield its address ("127.0.0.1:PORT", a str with
-    `.process` and `.log_path`) once health says SERVING.
+    """Run the rollout service on a port it binds itself; yield its address ("HOST:PORT" of its --host, default
+    127.0.0.1; a str with `.process` and `.log_path`) once health says SERVING.
 
     `settings` are RolloutSettings fields (`kv_cache_gib=1`, `seed=0`, `staging_dir=...`) passed as flags;
     LoadWeights may read anything under the temporary directory (allowed_roots) unless the test says otherwise.
     `expect_clean_stop`: on a normal exit, SIGTERM must stop the service with status 0 and leave no process
-    of its group (its engine) behind, or the exit raises AssertionError.
+    of its group (its engine) behind, or the exit raises AssertionError. `launcher`: a command prefix (a host of
+    the simulated cluster: Cluster.argv(host, [])); `ready`: how to wait for it instead of a health check from
+    this process (which cannot reach another host's address).
     """
     settings.setdefault("allowed_roots", tempfile.gettempdir())  # where the tests keep their checkpoints
     settings.setdefault("backend", "vllm")  # vLLM unless a test asks for the torch backend (auto picks it for tiny)
-    cmd = [sys.executable, "-m", "rollout_service", "--model", str(model_dir), "--port", "0", *_flags(settings)]
+    cmd = [*launcher, sys.executable, "-m", "rollout_service", "--model", str(model_dir), "--port", "0",
+           *_flags(settings)]
     env = {**os.environ, **(extra_env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")
 
-    def ready(address: ServiceAddress) -> None:
+    def healthy(address: ServiceAddress) -> None:
         wait_for_health(address, startup_timeout_s, address.process)
 
-    return _service(cmd, "rollout", log_path, env, startup_timeout_s, grace_s=30.0, ready=ready,
+    return _service(cmd, "rollout", log_path, env, startup_timeout_s, grace_s=30.0, ready=ready or healthy,
                     expect_clean_stop=expect_clean_stop)
 
 

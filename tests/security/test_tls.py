@@ -8,8 +8,6 @@ uvicorn with ssl_certfile / ssl_keyfile, as `python -m probe_service` runs it.""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import socket
 import ssl
 import subprocess
@@ -31,49 +29,16 @@ from probe_service.config import ProbeSettings
 from tests.rollout.test_server_plumbing import MODEL, ServerThread
 from tests.service_fixtures import REPO_ROOT, start_trainer_service, wait_until
 
-x509 = pytest.importorskip("cryptography.x509")
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
+pytest.importorskip("cryptography.x509")
+from tests.pki import make_pki  # noqa: E402
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, issuer_key: ec.EllipticCurvePrivateKey,
-          ca: bool) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    b = (x509.CertificateBuilder()
-         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-         .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if not ca:
-        b = b.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    return b.sign(issuer_key, hashes.SHA256())
-
-
-def _pem(obj) -> bytes:
-    if isinstance(obj, x509.Certificate):
-        return obj.public_bytes(serialization.Encoding.PEM)
-    return obj.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """ca.pem signs server.pem (localhost, 127.0.0.1); other_ca.pem is a CA that signed nothing here."""
-    d = tmp_path_factory.mktemp("pki")
-    ca_key, other_key, key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
-    files = {"ca": _cert("forkrl test CA", ca_key, "forkrl test CA", ca_key, True),
-             "other_ca": _cert("another CA", other_key, "another CA", other_key, True),
-             "cert": _cert("forkrl service", key, "forkrl test CA", ca_key, False), "key": key}
-    out = {}
-    for name, obj in files.items():
-        (d / f"{name}.pem").write_bytes(_pem(obj))
-        out[name] = str(d / f"{name}.pem")
-    return out
+    """ca.pem signs cert.pem (localhost, 127.0.0.1); other_ca.pem is a CA that signed nothing here."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 HANG_S = 120  # a deadline only a hang reaches: a TLS handshake on a loaded machine may take seconds
