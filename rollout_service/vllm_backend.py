@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from rollout_service.engine_args import check_vllm_version, engine_kwargs
 from rollout_service.types import Completion, InvalidArgument, SamplingSpec
 
 log = logging.getLogger("rollout_service")
@@ -66,38 +67,23 @@ class VllmBackend:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        check_vllm_version(vllm.__version__)
+        device = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
         transfer = getattr(settings, "weight_transfer", "auto")
         if transfer == "auto":
-            transfer = "gloo" if current_platform.is_cpu() else "nccl"
-
+            transfer = "gloo" if device == "cpu" else "nccl"
         args = AsyncEngineArgs(
-            model=settings.model,
-            dtype=settings.dtype,
-            max_model_len=settings.max_model_len,
-            enforce_eager=settings.enforce_eager,
-            seed=settings.seed,
-            max_num_seqs=settings.max_num_seqs,
-            kv_cache_memory_bytes=int(settings.kv_cache_gib * (1 << 30)),
-            # log_softmax(logits / T) of the sampled token: the quantity the trainer's ratio needs.
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="rollout_service.worker_ext.WeightReloadExtension",
-            disable_log_stats=True,
-            # vLLM 0.32 CPU bug: a partially prefilled *seeded* request makes the model runner rewind its
-            # sampling generator with set_offset(), which CPU generators do not have -> the engine core
-            # dies ("CPU Generator does not use offset"). Without chunked prefill every prompt is
-            # prefilled in one step (max_num_batched_tokens >= max_model_len), so nothing is rewound.
-            enable_chunked_prefill=False if current_platform.is_cpu() else None,
-            # No hub at run time: the model is a local directory.
-            trust_remote_code=False,
+            **engine_kwargs(settings, device, transfer),
             weight_transfer_config=WeightTransferConfig(backend=transfer) if transfer != "none" else None,
         )
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         engine_settings = {
             "backend": "vllm",
             "dtype": settings.dtype,
-            "enforce_eager": settings.enforce_eager,
+            "enforce_eager": bool(llm.vllm_config.model_config.enforce_eager),
             "logprobs_mode": "processed_logprobs",
-            "kv_cache_gib": settings.kv_cache_gib,
+            "kv_cache_gib": (llm.vllm_config.cache_config.kv_cache_memory_bytes or 0) / (1 << 30),
+            "gpu_memory_utilization": float(llm.vllm_config.cache_config.gpu_memory_utilization),
             "device": llm.vllm_config.device_config.device_type,
             "vllm_version": vllm.__version__,
             "engine_mode": settings.engine_mode,
