@@ -133,6 +133,10 @@ def apply_engine_env(settings: RolloutSettings) -> None:
 
     from forkrl.runtime import apply_runtime_env, mark_service_process
 
+    # torch.cuda.is_available() (--backend auto, rollout_service/backends.py) would initialize CUDA in this process
+    # before vLLM is imported (vLLM sets this variable on import: too late here); vLLM then forks its engine core
+    # into a process where CUDA cannot start. The NVML-based check answers without initializing CUDA.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     apply_runtime_env(threads=settings.threads)
     mark_service_process()  # the engine's processes end with this one, also on SIGKILL (worker_ext.py)
     # The KV cache size is passed as kv_cache_memory_bytes; vLLM's CPU platform would let the legacy

