@@ -83,7 +83,9 @@ class VllmBackend:
             "enforce_eager": bool(llm.vllm_config.model_config.enforce_eager),
             "logprobs_mode": "processed_logprobs",
             "kv_cache_gib": (llm.vllm_config.cache_config.kv_cache_memory_bytes or 0) / (1 << 30),
-            "gpu_memory_utilization": float(llm.vllm_config.cache_config.gpu_memory_utilization),
+            "gpu_memory_utilization": 0.0 if device == "cpu" else float(
+                llm.vllm_config.cache_config.gpu_memory_utilization),
+            "gpu_uuids": _gpu_uuids(current_platform, llm.vllm_config.parallel_config.world_size),
             "device": llm.vllm_config.device_config.device_type,
             "vllm_version": vllm.__version__,
             "engine_mode": settings.engine_mode,
@@ -163,9 +165,16 @@ class VllmBackend:
 
     # ------------------------------------------------------------------ vLLM's weight-transfer API
     async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's group. `timeout_s` of the info: gloo's group timeout; with nccl (whose init info has
+        no such field) the deadline of each receive, set on the workers once the group formed."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        info = dict(init_info)
+        nccl = self.engine_settings.get("weight_transfer_backend") == "nccl"
+        deadline_s = info.pop("timeout_s", None) if nccl else None
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+        if deadline_s is not None:
+            await self._llm.collective_rpc("forkrl_bound_receives", args=(float(deadline_s),))
 
     async def start_weight_update(self) -> None:
         """Pause in "keep" mode (as `reload`), then start vLLM's update; resumed by finish or abort."""
@@ -232,3 +241,15 @@ def _sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:
             out.append(lp.logprobs[lo + list(lp.token_ids[lo:hi]).index(t)])
         return out
     return [pos[t].logprob for pos, t in zip(lp, token_ids, strict=True)]
+
+
+def _gpu_uuids(platform: Any, workers: int) -> list[str]:
+    """The NVML UUIDs of the GPUs of this engine's workers (local ranks 0..workers-1 under CUDA_VISIBLE_DEVICES), read
+    without a CUDA context; [] on CPU or where the platform cannot say (the trainer then cannot tell a shared GPU)."""
+    if platform.is_cpu():
+        return []
+    try:
+        return [str(platform.get_device_uuid(i)) for i in range(workers)]
+    except Exception as e:  # noqa: BLE001 - an informational field
+        log.warning("the GPUs' UUIDs are unknown (%s: %s)", type(e).__name__, e)
+        return []
