@@ -9,7 +9,9 @@ from the trainer's broadcast during the call), FinishWeightUpdate. Rules (`Weigh
   interleaves. Swap mode inplace: vLLM's scheduler pauses in its "keep" mode (requests in flight stay scheduled,
   KV cache kept) until the end; drain: the gate closes first and waits for the samples in flight, as a push does.
 - UpdateWeightChunk names, dtypes and shapes are checked against the served model before the engine is touched;
-  a refused chunk is still received (and dropped), so the trainer's broadcast completes, and ends the session.
+  a refused chunk ends the session: with gloo it is still received (and dropped), so the trainer's broadcast
+  completes; with nccl nothing is received and both sides abort their communicator (forkrl/weights/deadline.py).
+  With nccl every receive also has a deadline (`timeout_s`), past which the workers abort it.
   With gloo a chunk also names the one that follows, whose receives the workers post at once (the trainer sends
   it while they load this one).
 - FinishWeightUpdate needs every tensor of the served model once; it finalizes vLLM's reload, bumps the version
@@ -215,11 +217,10 @@ class WeightTransfer:
         """The engine receives a chunk. With nccl the workers' own deadline (timeout_s: the communicator is aborted,
         the receive fails) bounds it; should the engine still not answer by twice that, the service is marked
         broken here and the session dropped without touching the engine again (its calls would queue behind)."""
-        update = _detached(self.engine.backend.update_weights(info))
         if self.backend_name != "nccl":
-            return await update
+            return await self.engine.backend.update_weights(info)
         try:
-            return await asyncio.wait_for(update, 2 * self.timeout_s)
+            return await asyncio.wait_for(_detached(self.engine.backend.update_weights(info)), 2 * self.timeout_s)
         except asyncio.TimeoutError:  # noqa: UP041 - Python 3.10's asyncio raises its own
             why = (f"a weight chunk was not received within {2 * self.timeout_s:g} s (the NCCL receive's deadline "
                    f"is {self.timeout_s:g} s); the engine is stuck: restart the rollout service")
