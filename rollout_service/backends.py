@@ -29,8 +29,12 @@ def choose_backend(settings: Any, gpu: bool | None = None) -> tuple[str, str]:
     if settings.backend != "auto":
         return settings.backend, "set by --backend"
     if gpu is None:
+        import os
+
         import torch
 
+        # NVML, not a CUDA context: vLLM forks its engine core later (apply_engine_env sets it for the service)
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         gpu = torch.cuda.is_available()
     if gpu:
         return "vllm", "auto: a GPU is present"

@@ -33,17 +33,25 @@ class RolloutSettings(TokenSettings):
     """What generates. vllm: vLLM's async engine; torch: forkrl's batched KV-cache sampler on the HF model in this
     process (for models too small for vLLM's per-step overhead; no weight-transfer API, pushes by shm, stream or
     path); auto: torch on a CPU for models of at most 20M parameters, vLLM otherwise (rollout_service/backends.py).
-    The engine settings below (kv_cache_gib, enforce_eager, engine_mode, weight_transfer) are vLLM's."""
+    The engine settings below (kv_cache_gib, gpu_memory_utilization, enforce_eager, engine_mode, weight_transfer)
+    are vLLM's; their defaults depend on the device (rollout_service/engine_args.py)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Engine dtype. float32 is the safe CPU default and matches the trainer's fp32 logprobs (to float32
     rounding); bfloat16 is faster but its logprobs differ from the trainer's by far more (the IS ratio and the
     clip then see that gap; docs/results.md has a measurement)."""
     max_model_len: int | None = Field(None, gt=0)
     """Longest prompt + completion in tokens (default: the model's max_position_embeddings)."""
-    kv_cache_gib: float = Field(1.0, gt=0)
-    """Memory for the KV cache in GiB (vLLM's CPU backend takes most of the RAM when unset)."""
-    enforce_eager: bool = True
-    """Skip graph capture / torch.compile: a faster start on CPU, at about the same throughput there."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """Memory for the KV cache in GiB. Default: 1 on CPU (vLLM's CPU backend takes most of the RAM when unset); on a
+    GPU, what gpu_memory_utilization leaves after the weights, activations and CUDA graphs (vLLM's profiling)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """GPU only: the fraction of the GPU's memory the engine may use in all (weights, activations, CUDA graphs, KV
+    cache; vLLM's gpu_memory_utilization). vLLM refuses to start unless this fraction is free at the start, even
+    with kv_cache_gib given, so a rollout sharing its GPU with the trainer sets it low (compose.gpu.yaml's 1-GPU
+    layout: 0.3). Default 0.9 (a GPU of its own)."""
+    enforce_eager: bool | None = None
+    """Skip graph capture / torch.compile. Default: on CPU (a faster start, about the same throughput there);
+    off on a GPU (CUDA graphs: faster decoding, about a minute more at start)."""
     threads: int | None = Field(None, gt=0)
     """CPU threads for the model (OMP_NUM_THREADS of the engine; in mp mode also binds cores
     0..threads-1). Default: vLLM's automatic choice (all cores)."""
@@ -129,6 +137,10 @@ def apply_engine_env(settings: RolloutSettings) -> None:
 
     from forkrl.runtime import apply_runtime_env, mark_service_process
 
+    # torch.cuda.is_available() (--backend auto, rollout_service/backends.py) would initialize CUDA in this process
+    # before vLLM is imported (vLLM sets this variable on import: too late here); vLLM then forks its engine core
+    # into a process where CUDA cannot start. The NVML-based check answers without initializing CUDA.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     apply_runtime_env(threads=settings.threads)
     mark_service_process()  # the engine's processes end with this one, also on SIGKILL (worker_ext.py)
     # The KV cache size is passed as kv_cache_memory_bytes; vLLM's CPU platform would let the legacy

@@ -256,6 +256,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 weight_transfer_backend=str(eng.get("weight_transfer_backend", "")),
                 weight_transfer_workers=int(eng.get("weight_transfer_workers", 0)),
                 backend=str(eng.get("backend", "")),
+                gpu_uuids=[str(u) for u in eng.get("gpu_uuids", ())],
+                gpu_memory_utilization=float(eng.get("gpu_memory_utilization") or 0.0),
             ),
             counters=pb.Counters(**info["counters"]),
             vocab_size=info["vocab_size"],

@@ -9,7 +9,9 @@ from the trainer's broadcast during the call), FinishWeightUpdate. Rules (`Weigh
   interleaves. Swap mode inplace: vLLM's scheduler pauses in its "keep" mode (requests in flight stay scheduled,
   KV cache kept) until the end; drain: the gate closes first and waits for the samples in flight, as a push does.
 - UpdateWeightChunk names, dtypes and shapes are checked against the served model before the engine is touched;
-  a refused chunk is still received (and dropped), so the trainer's broadcast completes, and ends the session.
+  a refused chunk ends the session: with gloo it is still received (and dropped), so the trainer's broadcast
+  completes; with nccl nothing is received and both sides abort their communicator (forkrl/weights/deadline.py).
+  With nccl every receive also has a deadline (`timeout_s`), past which the workers abort it.
   With gloo a chunk also names the one that follows, whose receives the workers post at once (the trainer sends
   it while they load this one).
 - FinishWeightUpdate needs every tensor of the served model once; it finalizes vLLM's reload, bumps the version
@@ -63,6 +65,10 @@ class _Session:
     received: set[str] = field(default_factory=set)
     gate: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     watchdog: asyncio.Task[None] | None = None
+
+
+class _EngineStuck(Exception):
+    """The engine did not answer a receive within twice its deadline (`WeightTransfer._receive`)."""
 
 
 class WeightTransfer:
@@ -121,8 +127,8 @@ class WeightTransfer:
         if not 1 <= offset or offset + workers > world:
             raise InvalidArgument(f"rank_offset must be >= 1 and rank_offset + this engine's {workers} worker(s) <= "
                                   f"world_size, got rank_offset {offset}, world_size {world}")
-        if self.backend_name == "gloo":
-            info = info | {"timeout_s": self.timeout_s}
+        # gloo: the group's timeout; nccl: the workers' deadline on each receive (forkrl/weights/deadline.py)
+        info = info | {"timeout_s": self.timeout_s}
         self.initialized = False
         try:
             await self.engine.backend.init_weight_transfer(info)
@@ -182,11 +188,19 @@ class WeightTransfer:
             try:
                 self._check_chunk(s, info)
             except InvalidArgument as e:
-                await self._end(s, f"a refused chunk ({e})", drain={k: v for k, v in info.items() if k != "next"})
+                # gloo: received into scratch buffers and dropped (its `discard`), so the trainer's broadcast
+                # completes. nccl: vLLM's NCCLWeightTransferUpdateInfo has no such field and its receive loads into
+                # the model, so nothing is received; leaving the group (`_end`) aborts this side's communicator
+                # and the trainer aborts its own on the refusal (forkrl/training/rollouts.py)
+                gloo = self.backend_name == "gloo"
+                await self._end(s, f"a refused chunk ({e})",
+                                drain={k: v for k, v in info.items() if k != "next"} if gloo else None)
                 raise
             s.touched = True
             try:
-                await self.engine.backend.update_weights(info)
+                await self._receive(s, info)
+            except _EngineStuck as e:
+                raise FailedPrecondition(str(e)) from None
             except Exception as e:
                 # a NaN or inf the workers refused (forkrl/weights/transfer_gloo.py; vLLM passes a worker's error
                 # on as its message): the trainer's fault, the group is fine. Anything else: the group failed.
@@ -198,6 +212,25 @@ class WeightTransfer:
             s.received.update(info["names"])
         finally:
             s.busy, s.last_call = False, time.monotonic()
+
+    async def _receive(self, s: _Session, info: dict[str, Any]) -> None:
+        """The engine receives a chunk. With nccl the workers' own deadline (timeout_s: the communicator is aborted,
+        the receive fails) bounds it; should the engine still not answer by twice that, the service is marked
+        broken here and the session dropped without touching the engine again (its calls would queue behind)."""
+        if self.backend_name != "nccl":
+            return await self.engine.backend.update_weights(info)
+        try:
+            return await asyncio.wait_for(_detached(self.engine.backend.update_weights(info)), 2 * self.timeout_s)
+        except asyncio.TimeoutError:  # noqa: UP041 - Python 3.10's asyncio raises its own
+            why = (f"a weight chunk was not received within {2 * self.timeout_s:g} s (the NCCL receive's deadline "
+                   f"is {self.timeout_s:g} s); the engine is stuck: restart the rollout service")
+            self._close(s)
+            self.initialized = False
+            self.engine.counters.rejected_weight_updates += 1
+            await self.engine.mark_broken(why)
+            await self._release(s)
+            log.error("weight update of run %s to version %d: %s", s.run_id, s.target_version, why)
+            raise _EngineStuck(why) from None
 
     async def _finish(self, run_id: str, target_version: int) -> float:
         s = self._current(run_id, target_version)
@@ -276,7 +309,8 @@ class WeightTransfer:
                 raise InvalidArgument(f"shapes[{i}] ({name!r}) must be {want} (the served model's), got {shape}")
 
     async def _watch(self, s: _Session) -> None:
-        """End a session that saw no call for timeout_s (a chunk in progress is bounded by the group's timeout)."""
+        """End a session that saw no call for timeout_s (a chunk in progress is bounded by the group's timeout:
+        gloo's, or with nccl the workers' deadline and `_receive`'s)."""
         while self._session is s:
             left = s.last_call + self.timeout_s - time.monotonic()
             if left > 0 or s.busy:

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from rollout_service.engine_args import check_vllm_version, engine_kwargs
 from rollout_service.types import Completion, InvalidArgument, SamplingSpec
 
 log = logging.getLogger("rollout_service")
@@ -66,38 +67,25 @@ class VllmBackend:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        check_vllm_version(vllm.__version__)
+        device = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
         transfer = getattr(settings, "weight_transfer", "auto")
         if transfer == "auto":
-            transfer = "gloo" if current_platform.is_cpu() else "nccl"
-
+            transfer = "gloo" if device == "cpu" else "nccl"
         args = AsyncEngineArgs(
-            model=settings.model,
-            dtype=settings.dtype,
-            max_model_len=settings.max_model_len,
-            enforce_eager=settings.enforce_eager,
-            seed=settings.seed,
-            max_num_seqs=settings.max_num_seqs,
-            kv_cache_memory_bytes=int(settings.kv_cache_gib * (1 << 30)),
-            # log_softmax(logits / T) of the sampled token: the quantity the trainer's ratio needs.
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="rollout_service.worker_ext.WeightReloadExtension",
-            disable_log_stats=True,
-            # vLLM 0.32 CPU bug: a partially prefilled *seeded* request makes the model runner rewind its
-            # sampling generator with set_offset(), which CPU generators do not have -> the engine core
-            # dies ("CPU Generator does not use offset"). Without chunked prefill every prompt is
-            # prefilled in one step (max_num_batched_tokens >= max_model_len), so nothing is rewound.
-            enable_chunked_prefill=False if current_platform.is_cpu() else None,
-            # No hub at run time: the model is a local directory.
-            trust_remote_code=False,
+            **engine_kwargs(settings, device, transfer),
             weight_transfer_config=WeightTransferConfig(backend=transfer) if transfer != "none" else None,
         )
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         engine_settings = {
             "backend": "vllm",
             "dtype": settings.dtype,
-            "enforce_eager": settings.enforce_eager,
+            "enforce_eager": bool(llm.vllm_config.model_config.enforce_eager),
             "logprobs_mode": "processed_logprobs",
-            "kv_cache_gib": settings.kv_cache_gib,
+            "kv_cache_gib": (llm.vllm_config.cache_config.kv_cache_memory_bytes or 0) / (1 << 30),
+            "gpu_memory_utilization": 0.0 if device == "cpu" else float(
+                llm.vllm_config.cache_config.gpu_memory_utilization),
+            "gpu_uuids": _gpu_uuids(current_platform, llm.vllm_config.parallel_config.world_size),
             "device": llm.vllm_config.device_config.device_type,
             "vllm_version": vllm.__version__,
             "engine_mode": settings.engine_mode,
@@ -177,9 +165,16 @@ class VllmBackend:
 
     # ------------------------------------------------------------------ vLLM's weight-transfer API
     async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's group. `timeout_s` of the info: gloo's group timeout; with nccl (whose init info has
+        no such field) the deadline of each receive, set on the workers once the group formed."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        info = dict(init_info)
+        nccl = self.engine_settings.get("weight_transfer_backend") == "nccl"
+        deadline_s = info.pop("timeout_s", None) if nccl else None
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+        if deadline_s is not None:
+            await self._llm.collective_rpc("forkrl_bound_receives", args=(float(deadline_s),))
 
     async def start_weight_update(self) -> None:
         """Pause in "keep" mode (as `reload`), then start vLLM's update; resumed by finish or abort."""
@@ -246,3 +241,15 @@ def _sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:
             out.append(lp.logprobs[lo + list(lp.token_ids[lo:hi]).index(t)])
         return out
     return [pos[t].logprob for pos, t in zip(lp, token_ids, strict=True)]
+
+
+def _gpu_uuids(platform: Any, workers: int) -> list[str]:
+    """The NVML UUIDs of the GPUs of this engine's workers (local ranks 0..workers-1 under CUDA_VISIBLE_DEVICES), read
+    without a CUDA context; [] on CPU or where the platform cannot say (the trainer then cannot tell a shared GPU)."""
+    if platform.is_cpu():
+        return []
+    try:
+        return [str(platform.get_device_uuid(i)) for i in range(workers)]
+    except Exception as e:  # noqa: BLE001 - an informational field
+        log.warning("the GPUs' UUIDs are unknown (%s: %s)", type(e).__name__, e)
+        return []

@@ -79,3 +79,9 @@ class WeightReloadExtension:
 
                 finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)  # type: ignore[attr-defined]
 
+    def forkrl_bound_receives(self, deadline_s: float) -> None:
+        """A deadline on every receive of the NCCL weight transfer (forkrl/weights/deadline.py): past it the
+        communicator is aborted and the receive fails, freeing the engine (vLLM's NCCL engine has no timeout)."""
+        from forkrl.weights.deadline import bound_receives
+
+        bound_receives(self.weight_transfer_engine, deadline_s)  # type: ignore[attr-defined]

@@ -22,12 +22,22 @@
 # --weight-sync shm (a shared-memory file + LoadWeights) and the route line says so; the nccl transfer needs
 # >= 2 GPUs. One trainer rank trains in fp32 (FSDP2's bf16 compute is for > 1 rank), so the check lets cuBLAS
 # run fp32 matmuls in TF32 on every rank (PyTorch's TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, as NVIDIA's containers
-# set it; GPU_CHECK_TF32=0: plain fp32). On 1 GPU the trainer starts once vLLM is up (vLLM wants 0.9 free).
+# set it; GPU_CHECK_TF32=0: plain fp32). The rollout starts as compose.gpu.yaml and the docs start it
+# (--backend auto: the NVML check before the first CUDA query; the engine's GPU defaults: CUDA graphs, the KV cache
+# from --gpu-memory-utilization); on 1 GPU with --gpu-memory-utilization 0.3 (compose's 1-GPU layout: vLLM wants
+# that fraction free at its start), and the trainer starts once vLLM is up.
+# After the run, on CUDA: >= 2 GPUs: a trainer killed mid-push (tests/rollout/transfer_trainer.py --mode
+# die-mid-send: the nccl broadcast half sent) must leave the rollout NOT_SERVING within 3 x its
+# --transfer-timeout-s (the receive's deadline aborts the communicator), and a good push must then serve; 1 GPU: the
+# rollout is restarted beside the trainer (which holds its memory) and must be healthy again within 300 s. The
+# summary says what was checked and what was skipped.
 # Settings (environment): FORKRL_GPU_CHECK_DEVICE (cuda|cpu), FORKRL_GPU_CHECK_DIR (work dir; default a new temp
 # dir), FORKRL_GPU_CHECK_PORT (first of 2 ports; default 52150), PY (python; default .venv's or python3),
 # GPU_CHECK_STEPS (10; dry run 3), GPU_CHECK_PROMPTS (32; 4), GPU_CHECK_GROUP (8; 4), GPU_CHECK_MINI (8; 2),
 # GPU_CHECK_MAX_NEW (256; 16), GPU_CHECK_RANKS (trainer ranks; default GPUs - 1, dry run 2),
-# ROLLOUT_KV_CACHE_GIB (16), GPU_CHECK_WEIGHT_SYNC (the push route; default above), GPU_CHECK_TF32 (1).
+# ROLLOUT_KV_CACHE_GIB (cpu: 1; cuda: unset, sized from the utilization), ROLLOUT_GPU_MEMORY_UTILIZATION (1 GPU:
+# 0.3; else vLLM's 0.9), GPU_CHECK_TRANSFER_TIMEOUT_S (60), GPU_CHECK_WEIGHT_SYNC (the push route; default above),
+# GPU_CHECK_TF32 (1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -52,7 +62,7 @@ if [ "$DEVICE" = cuda ]; then
     echo "gpu_check: run 'bash scripts/gpu_check.sh --dry-run' for the same path on CPU with a tiny model." >&2
     exit 2
   fi
-  SIZE=1.5b; DTYPE=bfloat16; KV=${ROLLOUT_KV_CACHE_GIB:-16}; MAXLEN=1024; THREADS=4; TF32=${GPU_CHECK_TF32:-1}
+  SIZE=1.5b; DTYPE=bfloat16; MAXLEN=1024; THREADS=4; TF32=${GPU_CHECK_TF32:-1}; BACKEND=auto; SIZING=()
   STEPS=${GPU_CHECK_STEPS:-10}; PROMPTS=${GPU_CHECK_PROMPTS:-32}; GROUP=${GPU_CHECK_GROUP:-8}
   MINI=${GPU_CHECK_MINI:-8}; MAXNEW=${GPU_CHECK_MAX_NEW:-256}; MICRO=16
   ROLLOUT_GPUS=0
@@ -60,9 +70,11 @@ if [ "$DEVICE" = cuda ]; then
     RANKS=${GPU_CHECK_RANKS:-$((NGPU - 1))}; TRAINER_GPUS=$(seq -s, 1 "$RANKS"); SYNC=${GPU_CHECK_WEIGHT_SYNC:-transfer}
   else
     RANKS=1; TRAINER_GPUS=0; SYNC=${GPU_CHECK_WEIGHT_SYNC:-shm}  # NCCL: no two ranks on one GPU (header)
+    SIZING=(--gpu-memory-utilization "${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.3}")  # beside the trainer (header)
   fi
 elif [ "$DEVICE" = cpu ]; then
-  NGPU=0; SIZE=tiny-1.5b; DTYPE=float32; KV=1; MAXLEN=512; THREADS=1; TF32=0
+  NGPU=0; SIZE=tiny-1.5b; DTYPE=float32; MAXLEN=512; THREADS=1; TF32=0; BACKEND=vllm  # auto: torch at this size
+  SIZING=(--kv-cache-gib "${ROLLOUT_KV_CACHE_GIB:-1}")
   STEPS=${GPU_CHECK_STEPS:-3}; PROMPTS=${GPU_CHECK_PROMPTS:-4}; GROUP=${GPU_CHECK_GROUP:-4}
   MINI=${GPU_CHECK_MINI:-2}; MAXNEW=${GPU_CHECK_MAX_NEW:-16}; MICRO=8; RANKS=${GPU_CHECK_RANKS:-2}
   ROLLOUT_GPUS=; TRAINER_GPUS=; SYNC=${GPU_CHECK_WEIGHT_SYNC:-transfer}
@@ -112,12 +124,16 @@ wait_healthy() {  # address pid name timeout_s
   done
 }
 
-echo "== rollout service on ${ROLLOUT_GPUS:-cpu} (vLLM, $DTYPE, KV cache $KV GiB), port $RPORT"
-CUDA_VISIBLE_DEVICES=$ROLLOUT_GPUS setsid "$PY" -m rollout_service --model "$WORK/model" --port "$RPORT" \
-  --backend vllm --dtype "$DTYPE" --kv-cache-gib "$KV" --max-model-len "$MAXLEN" --allowed-roots "$WORK" \
-  >"$WORK/rollout.log" 2>&1 &
-PIDS+=($!); RPID=$!
-# one GPU: vLLM refuses to start unless 0.9 of the GPU is free (gpu_memory_utilization), so the trainer waits
+XFER_TIMEOUT=${GPU_CHECK_TRANSFER_TIMEOUT_S:-60}
+start_rollout() {  # log file
+  CUDA_VISIBLE_DEVICES=$ROLLOUT_GPUS setsid "$PY" -m rollout_service --model "$WORK/model" --port "$RPORT" \
+    --backend "$BACKEND" --dtype "$DTYPE" --max-model-len "$MAXLEN" --allowed-roots "$WORK" \
+    --transfer-timeout-s "$XFER_TIMEOUT" "${SIZING[@]}" >"$1" 2>&1 &
+  PIDS+=($!); RPID=$!
+}
+echo "== rollout service on ${ROLLOUT_GPUS:-cpu} (--backend $BACKEND, $DTYPE, ${SIZING[*]:-the engine defaults for a GPU}), port $RPORT"
+start_rollout "$WORK/rollout.log"
+# one GPU: vLLM refuses to start unless gpu_memory_utilization of the GPU is free, so the trainer waits
 [ "$NGPU" -eq 1 ] && wait_healthy "127.0.0.1:$RPORT" "$RPID" rollout 300
 
 echo "== trainer service on ${TRAINER_GPUS:-cpu} ($RANKS rank(s), TF32 $TF32), port $TPORT"
@@ -251,10 +267,53 @@ sys.exit(1 if fails else 0)
 EOF
 CHECK_RC=$?
 set -e
+
+# What CPU cannot show (header): each check prints its line; the summary lists them.
+CHECKED=("the run above through the compose/docs launch path (--backend $BACKEND${SIZING[*]:+, ${SIZING[*]}})")
+SKIPPED=()
+EXTRA_RC=0
+health() { "$PY" clients/healthcheck.py grpc "127.0.0.1:$RPORT" >/dev/null 2>&1; }
+version() { "$PY" -c "import sys; from forkrl.remote.rollout import RolloutClient; print(RolloutClient(sys.argv[1]).info().version)" "127.0.0.1:$RPORT"; }
+if [ "$DEVICE" = cuda ] && [ "$NGPU" -gt 1 ]; then
+  echo "== a trainer killed mid-push (nccl, half the broadcast sent): the rollout must recover within its deadline"
+  V0=$(version)
+  CUDA_VISIBLE_DEVICES=1 "$PY" -m tests.rollout.transfer_trainer --address "127.0.0.1:$RPORT" --model "$WORK/model" \
+    --out "$WORK/half.safetensors" --mode die-mid-send --device cuda --run-id gpu-check-kill >"$WORK/kill.log" 2>&1 || true
+  t0=$(date +%s)
+  while health && [ $(( $(date +%s) - t0 )) -le $(( 3 * XFER_TIMEOUT )) ]; do sleep 1; done
+  if health; then
+    echo "gpu_check: FAIL: the rollout still SERVING $(( 3 * XFER_TIMEOUT )) s after the trainer died mid-push"; EXTRA_RC=1
+  else
+    echo "   the half-received push ended after $(( $(date +%s) - t0 )) s (NOT_SERVING: the weights are broken)"
+    CUDA_VISIBLE_DEVICES=1 "$PY" -m tests.rollout.transfer_trainer --address "127.0.0.1:$RPORT" --model "$WORK/model" \
+      --out "$WORK/good.safetensors" --mode all --device cuda --run-id gpu-check-kill >"$WORK/good.log" 2>&1 || true
+    if health && [ "$(version)" = $((V0 + 1)) ]; then
+      echo "   a good nccl push then served version $((V0 + 1)): recovered"
+      CHECKED+=("a trainer killed mid-push: the nccl receive's deadline ended the push, a good push then served")
+    else
+      echo "gpu_check: FAIL: no recovery after the mid-push kill ($WORK/kill.log, $WORK/good.log, $WORK/rollout.log)"
+      EXTRA_RC=1
+    fi
+  fi
+else
+  SKIPPED+=("a trainer killed mid-push (needs the nccl transfer: >= 2 GPUs)")
+fi
+if [ "$DEVICE" = cuda ] && [ "$NGPU" -eq 1 ]; then
+  echo "== a rollout restart beside the trainer on the 1-GPU layout (${SIZING[*]})"
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null | sed 's/^/   GPU process before: /'
+  kill -TERM "$RPID"; for _ in $(seq 1 120); do kill -0 "$RPID" 2>/dev/null || break; sleep 0.5; done
+  start_rollout "$WORK/rollout-restart.log"
+  wait_healthy "127.0.0.1:$RPORT" "$RPID" rollout-restart 300 && \
+    CHECKED+=("a rollout restart beside the trainer's memory (1 GPU, ${SIZING[*]})")
+else
+  SKIPPED+=("a rollout restart on the 1-GPU layout (this machine has $NGPU GPU(s))")
+fi
+echo "== checked:"; for c in "${CHECKED[@]}"; do echo "   - $c"; done
+[ "${#SKIPPED[@]}" -gt 0 ] && { echo "== not checked here:"; for c in "${SKIPPED[@]}"; do echo "   - $c"; done; }
 TOTAL=$(( $(date +%s) - T_START ))
 echo "== wall time $TOTAL s (target <= 480 s on one H200); logs in $WORK"
 if [ "$DEVICE" = cuda ] && [ "$TOTAL" -gt 480 ]; then
   echo "gpu_check: WARNING: $TOTAL s is over the 480 s target (not a failure)"
 fi
-if [ "$CHECK_RC" -eq 0 ] && [ "$RUN_RC" -eq 0 ]; then echo "gpu_check: PASS"; exit 0; fi
+if [ "$CHECK_RC" -eq 0 ] && [ "$RUN_RC" -eq 0 ] && [ "$EXTRA_RC" -eq 0 ]; then echo "gpu_check: PASS"; exit 0; fi
 echo "gpu_check: FAIL"; exit 1

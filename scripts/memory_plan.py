@@ -28,6 +28,10 @@ from pathlib import Path
 
 GIB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+# the rollout service's GPU defaults: the plan uses the engine the service builds (imports nothing heavy)
+from rollout_service.engine_args import GPU_MEMORY_UTILIZATION  # noqa: E402
+
 # Model shapes (the HF config.json keys that matter), copied from the published config.json files.
 _Q25 = dict(model_type="qwen2", vocab_size=151936, head_dim=128)
 _Q3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, tie_word_embeddings=False)
@@ -51,7 +55,7 @@ GPUS = {"80": 81559 * (1 << 20), "141": 143771 * (1 << 20)}  # H100 80GB / H200 
 # Stated allowances (not derived from the model): see docs/scaling.md "Memory plan".
 TRAINER_RUNTIME = 1.5 * GIB  # CUDA context, cuBLAS workspaces, NCCL buffers
 ENGINE_RUNTIME = 1.0 * GIB  # CUDA context and vLLM's non-torch memory
-CUDA_GRAPHS = 1.0 * GIB  # only without enforce_eager (the rollout service's default is eager: 0)
+CUDA_GRAPHS = 1.0 * GIB  # without enforce_eager: the rollout service's default on a GPU (engine_args.py)
 FRAGMENTATION = 0.10  # the caching allocator's rounding and fragmentation, on top of the tensors
 CHUNK_ROWS = 1024  # response rows per softmax chunk (forkrl/rl/entropy.py default)
 
@@ -295,10 +299,10 @@ def trainer_terms(s: Shape, run: Run, tr: Trainer) -> list[tuple[str, str, float
 class Engine:
     tp: int = 1
     gpu: float = GPUS["80"]
-    utilization: float = 0.9  # vLLM's gpu_memory_utilization default
+    utilization: float = GPU_MEMORY_UTILIZATION  # the rollout service's default on a GPU (--gpu-memory-utilization)
     max_num_seqs: int = 256  # the rollout service's default
     max_num_batched_tokens: int = 2048  # vLLM's default for AsyncLLM with chunked prefill
-    eager: bool = True  # the rollout service's enforce_eager default
+    eager: bool = False  # the rollout service's default on a GPU: CUDA graphs
 
 
 def engine_terms(s: Shape, run: Run, e: Engine) -> tuple[list[tuple[str, float]], float, int]:

@@ -23,8 +23,9 @@ services share the prompts. A push goes to every service in parallel (one thread
 - path: one safetensors file in the run dir that every service loads (LoadWeights; a shared volume);
 - shm: one safetensors file in shared memory (forkrl/weights/shm.py), rewritten in place each push, loaded
   with LoadWeights: a service on this host that sees the same /dev/shm;
-- auto (default): transfer when every service offers this trainer's backend (GetInfo); if joining the group
-  fails, the routes below from then on (logged). Otherwise shm for every service whose address is on this host,
+- auto (default): transfer when every service offers this trainer's backend (GetInfo) and none runs on this
+  trainer's GPU (nccl cannot join two ranks on one GPU: the 1-GPU layout takes shm from the start); if joining the
+  group fails, the routes below from then on (logged). Otherwise shm for every service whose address is on this host,
   stream for the others; a service
   that answers the shm load with NOT_FOUND or PERMISSION_DENIED (another /dev/shm: a container, another
   user) gets the same version streamed at once and is streamed to from then on, as does every service when
@@ -42,10 +43,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,10 +57,21 @@ import torch
 from forkrl.files import atomic_write
 from forkrl.remote.rollout import RolloutClient
 from forkrl.training.config import WeightSync
+from forkrl.training.transfer_route import (  # noqa: F401 - join_transfer, lockstep_source: the route's API
+    TRANSFER_ADDRESS_ENV,
+    TransferUnavailable,
+    join_transfer,
+    lockstep_source,
+    nccl_engine,
+    own_gpu_uuid,
+    shared_gpu,
+    trainer_backend,
+    transfer_address,
+    wait_for_updates,
+)
 from forkrl.weights.shm import SharedWeightsFile, default_sync_dir
 
 log = logging.getLogger("forkrl.rollouts")
-TRANSFER_ADDRESS_ENV = "TRAINER_TRANSFER_ADDRESS"
 # answers to a LoadWeights of the shm file that mean "this service does not see the file": stream instead
 _NOT_COLOCATED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)
 
@@ -100,6 +111,7 @@ class Rollouts:
         self._no_transfer = False  # auto: joining the group failed once; the other routes from then on
         self.last_transfer: dict[str, float] = {}  # of the last transfer push: bytes, groups, peak_held_bytes
         self.offers: list[str] | None = None  # each service's weight-transfer backend, as of adopt()
+        self.shared_gpu: str | None = None  # as of adopt(): why a service on this trainer's GPU rules out nccl
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         for c in self.clients:
@@ -142,7 +154,12 @@ class Rollouts:
         weight-transfer backend each offers (--weight-sync auto)."""
         infos = [c.info() for c in self.clients]
         self.versions = [{i.version: version} for i in infos]
+        self._note_offers(infos)
+
+    def _note_offers(self, infos: list[Any]) -> None:
         self.offers = [i.engine.weight_transfer_backend for i in infos]
+        self.shared_gpu = shared_gpu(own_gpu_uuid(), [c.address for c in self.clients],
+                                     [list(i.engine.gpu_uuids) for i in infos])
 
     def lost(self) -> list[int]:
         """Indices of the services that no longer serve the weights this run last pushed there (restarted)."""
@@ -159,7 +176,7 @@ class Rollouts:
         push `version` again to those that lost it. Returns their indices."""
         self.wait_ready(wait_s)
         if self.offers is not None:  # a restarted service may offer another backend (or none)
-            self.offers = [c.info().engine.weight_transfer_backend for c in self.clients]
+            self._note_offers([c.info() for c in self.clients])
         lost = self.lost()
         if lost:
             self.push(model, version, mode, run_dir, only=lost)
@@ -197,7 +214,9 @@ class Rollouts:
         """The route of each service for a push in `mode` (see the module docstring)."""
         if mode in ("stream", "path", "shm", "transfer"):
             return [mode] * len(self.clients)
-        if not self._no_transfer and self.offers is not None and set(self.offers) == {_trainer_backend()}:
+        # a service on this trainer's GPU: not nccl (NCCL refuses it), the other routes from the start
+        if not self._no_transfer and self.offers is not None and set(self.offers) == {trainer_backend()} and \
+                self.shared_gpu is None:
             return ["transfer"] * len(self.clients)
         sync = default_sync_dir()
         return ["shm" if sync is not None and i not in self._no_shm and is_local(c.address) else "stream"
@@ -223,7 +242,7 @@ class Rollouts:
                 self._push_transfer(module, version, weights.on_transfer if weights is not None else lambda: None)
                 self.routes = routes
                 return time.perf_counter() - t0
-            except _TransferUnavailable as e:
+            except TransferUnavailable as e:
                 if mode == "transfer":
                     raise RuntimeError(str(e)) from e
                 log.warning("weight sync: %s; using the other routes from now on", e)
@@ -303,7 +322,7 @@ class Rollouts:
     # ------------------------------------------------------------------------- the transfer route
     def _transfer_backend(self) -> str | None:
         """This trainer's weight-transfer backend when every service offers it now, else None."""
-        want = _trainer_backend()
+        want = trainer_backend()
         offered = {c.info().engine.weight_transfer_backend for c in self.clients}
         return want if offered == {want} else None
 
@@ -315,6 +334,7 @@ class Rollouts:
             sync = self._sync
             sync.targets = [c.info().version + 1 for c in self.clients]  # each service's own numbering
             self._transfer.source = lockstep_source(module, on_transfer)
+            wait_for_updates(module)  # opt.step()'s kernels, before vLLM's producer reads on its own streams
             try:
                 self._transfer.send_weights()
             except grpc.RpcError as e:
@@ -355,9 +375,15 @@ class Rollouts:
 
         backend = self._transfer_backend()
         if backend is None:
-            raise _TransferUnavailable("a rollout service does not offer this trainer's weight-transfer backend")
+            raise TransferUnavailable("a rollout service does not offer this trainer's weight-transfer backend")
+        if backend == "nccl":  # before any NCCL call: a shared GPU fails in it as "Duplicate GPU detected"
+            infos = [c.info() for c in self.clients]
+            why = shared_gpu(own_gpu_uuid(), [c.address for c in self.clients],
+                             [list(i.engine.gpu_uuids) for i in infos])
+            if why is not None:
+                raise TransferUnavailable(why)
         if backend == "nccl" and next(module.parameters()).device.type != "cuda":
-            raise _TransferUnavailable("the nccl weight transfer needs the model on a GPU")
+            raise TransferUnavailable("the nccl weight transfer needs the model on a GPU")
         workers = [c.info().engine.weight_transfer_workers for c in self.clients]
         host, port = transfer_address()
         sync = RolloutWeightSync(self.clients, self.run_id, backend, workers)
@@ -369,10 +395,10 @@ class Rollouts:
                 info = GlooTrainerInitInfo(host, port, 1 + sum(workers), rank=0)
                 engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=sync, source=source)
             else:
-                engine = _nccl_engine(host, port, 1 + sum(workers), sync, source)
+                engine = nccl_engine(host, port, 1 + sum(workers), sync, source)
         except (grpc.RpcError, OSError, RuntimeError, ValueError) as e:
             sync.shutdown()
-            raise _TransferUnavailable(f"joining the weight-transfer group at {host}:{port} ({TRANSFER_ADDRESS_ENV}) "
+            raise TransferUnavailable(f"joining the weight-transfer group at {host}:{port} ({TRANSFER_ADDRESS_ENV}) "
                                        f"failed ({type(e).__name__}: {e})") from e
         log.info("weight sync: %s weight-transfer group of this trainer and %d worker(s), rendezvous at %s:%s",
                  backend, sum(workers), host, getattr(engine, "port", port))
@@ -384,70 +410,6 @@ class Rollouts:
             engine.shutdown()
         if sync is not None and shutdown:
             sync.shutdown()
-
-
-def _trainer_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-class _TransferUnavailable(Exception):
-    """The transfer route cannot be used with these services (auto falls back to the other routes)."""
-
-
-def transfer_address() -> tuple[str, int]:
-    """(host, port) of the transfer route's rendezvous from TRAINER_TRANSFER_ADDRESS ("host" or "host:port"; port 0
-    or none: a free one); default 127.0.0.1."""
-    value = os.environ.get(TRANSFER_ADDRESS_ENV, "").strip() or "127.0.0.1"
-    if value.startswith("["):  # [IPv6] or [IPv6]:port
-        host, _, rest = value[1:].partition("]")
-        port = rest.removeprefix(":")
-    elif value.count(":") == 1:
-        host, port = value.split(":")
-    else:  # a name, an IPv4 address, or a bare IPv6 address
-        host, port = value, ""
-    try:
-        number = int(port or 0)
-    except ValueError:
-        raise ValueError(f"{TRANSFER_ADDRESS_ENV} must be host or host:port, got {value!r}") from None
-    if not 0 <= number < 65536:
-        raise ValueError(f"{TRANSFER_ADDRESS_ENV}: port must be in [0, 65535], got {number}")
-    return host, number
-
-
-def lockstep_source(module: torch.nn.Module, on_transfer: Callable[[], None]) -> Any:
-    """vLLM's ModuleSource over `module` that calls `on_transfer` when an iteration begins: the other ranks of a
-    sharded model then join the gathers of exactly the iterations rank 0 runs (once the services accepted the
-    push). The same order on every rank: named_parameters(), one all-gather per parameter."""
-    from vllm.distributed.weight_transfer.base import ModuleSource
-
-    class LockstepSource(ModuleSource):
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            on_transfer()
-            yield from super().__iter__()
-
-    return LockstepSource(module)
-
-
-def join_transfer(module: torch.nn.Module) -> None:
-    """A rank > 0 of a sharded trainer, told "transfer" by rank 0: take part in the gathers of rank 0's push (the
-    same iteration, every parameter all-gathered in turn and dropped)."""
-    for _ in lockstep_source(module, lambda: None):
-        pass
-
-
-def _nccl_engine(host: str, port: int, world_size: int, sync: Any, source: Any) -> Any:
-    """vLLM's own NCCL trainer engine (GPU): the same client and source; its rendezvous needs a fixed port."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-    if not port:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-    engine = WeightTransferTrainerFactory.trainer_init(NCCLTrainerInitInfo(host, port, world_size, rank=0),
-                                                       client=sync, source=source)
-    engine.port = port
-    return engine
 
 
 @functools.lru_cache(maxsize=256)

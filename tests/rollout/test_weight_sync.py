@@ -136,9 +136,9 @@ def test_auto_transfers_into_every_service_through_one_group(services, models, d
 
 
 def test_auto_takes_transfer_only_when_every_service_offers_the_trainers_backend():
-    from forkrl.training.rollouts import _trainer_backend
+    from forkrl.training.transfer_route import trainer_backend
 
-    ours = _trainer_backend()  # gloo on CPU, nccl with CUDA
+    ours = trainer_backend()  # gloo on CPU, nccl with CUDA
     other = "nccl" if ours == "gloo" else "gloo"
     rollouts = Rollouts(["127.0.0.1:1", "127.0.0.1:2"], token="")  # no calls are made: offers set by hand
     try:

@@ -3,12 +3,14 @@ gloo weight-transfer backend (forkrl/weights/transfer_gloo.py), with the trainer
 --weight-sync transfer), from a process of its own.
 
     python -m tests.rollout.transfer_trainer --address HOST:PORT --model DIR --out pushed.safetensors \\
-        --mode all|head|inf|abandon --seed 1 --run-id RUN
+        --mode all|head|inf|abandon|die-mid-send --seed 1 --run-id RUN [--device cuda]
 
 It writes the weights it pushes to --out first (the test's reference), then prints one JSON line: {"version": the
 service's version after the push} or {"code": the gRPC status, "details": ...}. Modes: all = every tensor
 perturbed; head = only lm_head.weight changed; inf = `all` with an inf in one tensor; abandon = `all`, but the
-process exits right after the first chunk (a trainer that dies mid-push).
+process exits right after the first chunk (a trainer that dies mid-push); die-mid-send = `all`, but the process
+exits half-way through the model's parameters, while the broadcast is in flight (with nccl the whole model is one
+chunk: scripts/gpu_check.sh uses it with --device cuda). --device: where the model is (cuda: the nccl transfer).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def main() -> int:
     p.add_argument("--address", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=["all", "head", "inf", "abandon"], default="all")
+    p.add_argument("--mode", choices=["all", "head", "inf", "abandon", "die-mid-send"], default="all")
+    p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--run-id", default="transfer-test")
     args = p.parse_args()
@@ -64,6 +67,28 @@ def main() -> int:
             os._exit(3)
 
         RolloutWeightSync.update_weights = update_then_die  # type: ignore[method-assign]
+    if args.mode == "die-mid-send":  # the process dies half-way through the broadcast
+        import forkrl.training.rollouts as rollouts_mod
+
+        source = rollouts_mod.lockstep_source
+        half = len(list(model.parameters())) // 2
+
+        def dying_source(module: torch.nn.Module, on_transfer: object) -> object:
+            inner = source(module, on_transfer)
+
+            class Dying(type(inner)):  # type: ignore[misc]
+                def __iter__(self):  # noqa: ANN204
+                    for i, item in enumerate(super().__iter__()):
+                        if i == half:
+                            print(json.dumps({"died_at_parameter": i}), flush=True)
+                            os._exit(3)
+                        yield item
+
+            inner.__class__ = Dying
+            return inner
+
+        rollouts_mod.lockstep_source = dying_source  # type: ignore[assignment]
+    model.to(args.device)
 
     rollouts = Rollouts([args.address], run_id=args.run_id)  # the token: FORKRL_TOKEN of the environment
     try:

@@ -163,7 +163,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineSettings(_message.Message):
-    __slots__ = ("dtype", "max_model_len", "enforce_eager", "logprobs_mode", "kv_cache_gib", "device", "vllm_version", "engine_mode", "weight_transfer_backend", "weight_transfer_workers", "backend")
+    __slots__ = ("dtype", "max_model_len", "enforce_eager", "logprobs_mode", "kv_cache_gib", "device", "vllm_version", "engine_mode", "weight_transfer_backend", "weight_transfer_workers", "backend", "gpu_uuids", "gpu_memory_utilization")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,8 @@ class EngineSettings(_message.Message):
     WEIGHT_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSFER_WORKERS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     max_model_len: int
     enforce_eager: bool
@@ -186,7 +188,9 @@ class EngineSettings(_message.Message):
     weight_transfer_backend: str
     weight_transfer_workers: int
     backend: str
-    def __init__(self, dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., enforce_eager: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., kv_cache_gib: _Optional[float] = ..., device: _Optional[str] = ..., vllm_version: _Optional[str] = ..., engine_mode: _Optional[str] = ..., weight_transfer_backend: _Optional[str] = ..., weight_transfer_workers: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    gpu_memory_utilization: float
+    def __init__(self, dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., enforce_eager: _Optional[bool] = ..., logprobs_mode: _Optional[str] = ..., kv_cache_gib: _Optional[float] = ..., device: _Optional[str] = ..., vllm_version: _Optional[str] = ..., engine_mode: _Optional[str] = ..., weight_transfer_backend: _Optional[str] = ..., weight_transfer_workers: _Optional[int] = ..., backend: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_utilization: _Optional[float] = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ("requests", "samples", "prompt_tokens", "generated_tokens", "aborted_requests", "weight_reloads", "rejected_weight_updates", "running_requests")
