@@ -12,6 +12,7 @@ bench/bench_memory.py checks them against a measured CPU step. Trainer (as coded
 activation_checkpointing, gradients reduce-scattered every micro-batch, the loss from the final hidden states in
 chunks), per rank of W: fp32 master weights, AdamW moments and fp32 gradients (FSDP2 shards; unsharded with
 --grad-sync last), FSDP2's gathered units, the activations of one micro-batch of ceil(micro_batch_size / W) rows
+(with max_tokens_per_micro_batch T: the largest micro-batch T allows, whole on one rank: Run.micro_shapes)
 (each layer's saved tensors, or its input with activation checkpointing, plus the largest of the loss phase, the
 layer phase and FSDP2's reduce-scatter of the root unit), the step's tokens, runtime and fragmentation. Compute in
 bf16 with FSDP2 on CUDA (W > 1), fp32 on one process. Engine, per GPU of a tensor-parallel replica: bf16 weights,
@@ -144,6 +145,7 @@ class Run:
     group_size: int = 16
     mini_batch_prompts: int = 32
     micro_batch_size: int = 4
+    max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by tokens (forkrl/rl/microbatch.py), not rows
     max_new_tokens: int = 20480
     prompt_tokens: int = 2048  # DAPO's verl scripts cap prompts at 2048 tokens
     temperature: float = 1.0
@@ -172,8 +174,34 @@ class Run:
         return -(-self.prompts_per_step // per) * self.ppo_epochs
 
     @property
+    def seq(self) -> int:
+        return self.prompt_tokens + self.max_new_tokens
+
+    @property
     def micros_per_update(self) -> int:
-        return -(-(self.mini_batch_prompts or self.prompts_per_step) * self.group_size // self.micro_batch_size)
+        """Micro-batches per update (by tokens: the most, every row at full length)."""
+        rows = (self.mini_batch_prompts or self.prompts_per_step) * self.group_size
+        per = max(1, self.max_tokens_per_micro_batch // self.seq) if self.max_tokens_per_micro_batch \
+            else self.micro_batch_size
+        return -(-rows // per)
+
+    def micro_shapes(self, ranks: int) -> list[tuple[int, int, int]]:
+        """(rows, padded length, response tokens) of the micro-batches one rank may hold at once, the largest of
+        each kind. Fixed: ceil(micro_batch_size / ranks) rows of full length (the step deals each micro-batch's
+        rows over the ranks). By tokens (T = max_tokens_per_micro_batch; whole micro-batches go to one rank):
+        max(1, T // seq) rows of full length (a row longer than T alone), and the most rows of one length whose
+        padded size fits T (k = max(2, ceil(T / seq)) rows of T // k tokens: more tokens, and an attention mask,
+        when T is not a multiple of seq)."""
+        s, n, t = self.seq, self.max_new_tokens, self.max_tokens_per_micro_batch
+        if not t:
+            rows = max(1, -(-self.micro_batch_size // ranks))
+            return [(rows, s, rows * n)]
+        full = max(1, t // s)
+        out = [(full, s, full * n)]
+        k = max(2, -(-t // s))
+        if t // k >= 1:
+            out.append((k, t // k, k * min(t // k, n)))
+        return out
 
 
 @dataclass(frozen=True)
@@ -227,7 +255,14 @@ def loss_terms(s: Shape, rows: int, seq: int, resp: int, cb: int, sharded: bool,
 
 
 def trainer_terms(s: Shape, run: Run, tr: Trainer) -> list[tuple[str, str, float]]:
-    """(phase, name, bytes) per rank, the last one the total = the terms of phase "" + the largest phase sum.
+    """(phase, name, bytes) per rank, the last one the total = the terms of phase "" + the largest phase sum, for
+    the micro-batch of the run (Run.micro_shapes) that takes the most."""
+    plans = [_trainer_terms(s, run, tr, *shape) for shape in run.micro_shapes(tr.ranks)]
+    return max(plans, key=lambda t: t[-1][2])
+
+
+def _trainer_terms(s: Shape, run: Run, tr: Trainer, rows: int, seq: int, resp: int) -> list[tuple[str, str, float]]:
+    """trainer_terms for a micro-batch of `rows` rows padded to `seq` tokens, `resp` of them response tokens.
 
     Phase "loss": from the end of the forward to the final hidden states' gradient (the chunked loss);
     phase "layer": the backward through the decoder layers (units gathered again, one layer recomputed);
@@ -237,9 +272,7 @@ def trainer_terms(s: Shape, run: Run, tr: Trainer) -> list[tuple[str, str, float
     sharded = w > 1
     ckpt = run.activation_checkpointing if tr.checkpointing is None else tr.checkpointing
     cb = 2 if (tr.mixed_precision if tr.mixed_precision is not None else tr.device == "cuda" and sharded) else 4
-    rows = max(1, -(-run.micro_batch_size // w))  # the step deals each micro-batch's rows over the ranks
-    seq = run.prompt_tokens + run.max_new_tokens
-    tok, resp, h = rows * seq, rows * run.max_new_tokens, s.hidden
+    tok, h = rows * seq, s.hidden
     masked = rows > 1  # right-padded rows of different lengths: SDPA gets a boolean mask, no flash kernel
     n_tensors = len(s.layer_tensors()) * s.layers + len(s.root_tensors())
     shard = shard_elems(s.tensors(), w)
@@ -281,7 +314,8 @@ def trainer_terms(s: Shape, run: Run, tr: Trainer) -> list[tuple[str, str, float
                   max(cb * s.root_params + pad, cb * s.vocab * h + pad * (2 if cpu else 1) + pad / w)))
     if tr.device == "cuda":
         step_rows = -(-run.seqs // w)
-        per_row = 26 * seq - (4 * seq if run.updates == 1 else 0) + 8 * run.max_new_tokens  # ids, masks, logps
+        # ids, masks, logps
+        per_row = 26 * run.seq - (4 * run.seq if run.updates == 1 else 0) + 8 * run.max_new_tokens
         t.append(("", "the step's token tensors on the device (this rank's rows)", step_rows * per_row))
     phases = {ph: sum(b for p, _, b in t if p == ph) for ph in ("loss", "layer", "root")}
     peak = max(phases, key=lambda ph: phases[ph])
@@ -420,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, help="longest prompt in tokens (default 2048)")
     p.add_argument("--max-new-tokens", type=int, help="override the recipe's response length")
     p.add_argument("--micro-batch-size", type=int, help="override the recipe's micro_batch_size (global rows)")
+    p.add_argument("--max-tokens-per-micro-batch", type=int, help="override the recipe's max_tokens_per_micro_batch "
+                   "(> 0: micro-batches by padded tokens, whole ones per rank; 0: micro_batch_size rows)")
     p.add_argument("--gpu", choices=list(GPUS), action="append", help="GPU size in GB (default: 80 and 141)")
     p.add_argument("--ranks", type=int, help="print every term for this many trainer ranks instead of searching")
     p.add_argument("--rollout-tp", type=int, default=1, help="tensor-parallel GPUs of the engine (with --ranks)")
@@ -433,12 +469,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-seqs", type=int, default=1, help="max-length sequences the engine's KV cache must hold")
     a = p.parse_args(argv)
     run = Run.from_recipe(a.recipe, prompt_tokens=a.prompt_tokens, max_new_tokens=a.max_new_tokens,
-                          micro_batch_size=a.micro_batch_size)
+                          micro_batch_size=a.micro_batch_size, max_tokens_per_micro_batch=a.max_tokens_per_micro_batch)
     models = a.model or list(PRESETS)
     gpus = a.gpu or ["80", "141"]
+    micro = (f"up to {run.micros_per_update} micro-batches of <= {run.max_tokens_per_micro_batch} padded tokens each, "
+             "whole ones per rank" if run.max_tokens_per_micro_batch else
+             f"{run.micros_per_update} micro-batches of {run.micro_batch_size} rows each")
     print(f"recipe {a.recipe.name}: {run.prompts_per_step} prompts x {run.group_size} samples, "
-          f"{run.updates} updates per step ({run.micros_per_update} micro-batches of {run.micro_batch_size} rows "
-          f"each), prompt <= {run.prompt_tokens} + response <= {run.max_new_tokens} tokens")
+          f"{run.updates} updates per step ({micro}), prompt <= {run.prompt_tokens} + response <= "
+          f"{run.max_new_tokens} tokens")
     if a.ranks:
         tr = Trainer(ranks=a.ranks, device=a.device, checkpointing=False if a.no_checkpointing else None,
                      grad_sync=a.grad_sync)

@@ -9,7 +9,16 @@ the bytes sit in the decoder layers as in a real model of that size without the 
 is Qwen2.5-1.5B's shape whole (its config.json: vocab_size 151936, tied embeddings, rope_theta 1e6), and
 `tiny-1.5b` the tiny layers with that vocabulary and tying (the GPU check's --dry-run). Ids past the tokenizer's
 vocabulary decode to nothing, as Qwen2.5's padded ids do. fp32 safetensors, loadable by transformers and vLLM
-unchanged. Sizes (fp32 bytes of the weights):
+unchanged.
+
+`no_eos` (`--no-eos`): the model never samples EOS, so that every response runs to max_new_tokens (long-response
+tests: a random-init model over the 99-token character vocabulary would emit EOS about once in 100 tokens). One
+residual dimension is held constant: every embedding has 1 there and no attention or MLP output writes to it,
+so after the final RMSNorm it is positive at every position; EOS's output row reads only that dimension with
+weight -NO_EOS_WEIGHT (10), so EOS's logit is about -80 while the others stay within about +-1 (its probability
+below 1e-30). Everything else is the random init; training a few steps at a small learning rate keeps it so.
+
+Sizes (fp32 bytes of the weights):
 
 | size | hidden | layers | heads (kv) | intermediate | vocab | parameters |
 |---|---|---|---|---|---|---|
@@ -46,18 +55,22 @@ SIZES: dict[str, dict[str, int | float | bool]] = {
                  intermediate_size=8960, **_QWEN25),
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+NO_EOS_WEIGHT = 10.0  # no_eos: EOS's output row, on the constant residual dimension (module docstring)
 _STAMP = "forkrl_random_qwen2.json"
 
 
-def build_random_qwen2(out: str | Path, size: str, *, seed: int = 0, max_position_embeddings: int = 2048) -> Path:
-    """Write (or reuse) a random-init Qwen2ForCausalLM of `size` (a key of SIZES) into `out`."""
+def build_random_qwen2(out: str | Path, size: str, *, seed: int = 0, max_position_embeddings: int = 2048,
+                       no_eos: bool = False) -> Path:
+    """Write (or reuse) a random-init Qwen2ForCausalLM of `size` (a key of SIZES) into `out`; `no_eos`: one that
+    never samples EOS (module docstring)."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from forkrl.models.embedded import COMMITTED_DIR
 
     out = Path(out)
-    spec = {"size": size, "seed": seed, "max_position_embeddings": max_position_embeddings, **SIZES[size]}
+    spec = {"size": size, "seed": seed, "max_position_embeddings": max_position_embeddings, **SIZES[size],
+            **({"no_eos": True} if no_eos else {})}
     stamp = out / _STAMP
     if stamp.exists() and json.loads(stamp.read_text()) == spec and (out / "model.safetensors").exists():
         return out
@@ -75,9 +88,26 @@ def build_random_qwen2(out: str | Path, size: str, *, seed: int = 0, max_positio
     torch.manual_seed(seed)
     with torch.device("cpu"):
         model = Qwen2ForCausalLM(cfg)
+    if no_eos:
+        _suppress_eos(model, tok.eos_token_id)
     model.save_pretrained(out, safe_serialization=True)  # fp32 (the config's default dtype)
     stamp.write_text(json.dumps(spec))
     return out
+
+
+def _suppress_eos(model, eos: int) -> None:
+    """Make EOS's logit about -8 x NO_EOS_WEIGHT at every position (module docstring: `no_eos`)."""
+    import torch
+
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0  # the constant dimension, in every token's embedding ...
+        for layer in model.model.layers:  # ... that no layer writes to
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        model.model.norm.weight[0] = 1.0
+        head = model.lm_head.weight  # tied sizes: the embedding itself (EOS never is an input of a response)
+        head[eos, :] = 0.0
+        head[eos, 0] = -NO_EOS_WEIGHT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,8 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=list(SIZES), required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-position-embeddings", type=int, default=2048, help="the context (default 2048)")
+    p.add_argument("--no-eos", action="store_true", help="a model that never samples EOS: every response runs "
+                   "to max_new_tokens")
     args = p.parse_args(argv)
-    print(build_random_qwen2(args.out, args.size, seed=args.seed))
+    print(build_random_qwen2(args.out, args.size, seed=args.seed,
+                             max_position_embeddings=args.max_position_embeddings, no_eos=args.no_eos))
     return 0
 
 

@@ -74,6 +74,17 @@ from forkrl.weights.shm import SharedWeightsFile, default_sync_dir
 log = logging.getLogger("forkrl.rollouts")
 # answers to a LoadWeights of the shm file that mean "this service does not see the file": stream instead
 _NOT_COLOCATED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)
+# The deadline of one Generate call grows with the tokens it may generate: a fixed one (RolloutClient's 600 s) ended
+# every long-response batch that took longer (512 x 16 x 20,480 tokens is hours on one engine) with
+# DEADLINE_EXCEEDED, which fails the run. The floor rate is far below any engine's (the CPU test model: ~1,000
+# tokens/s), so only a hung service reaches it; a dead one breaks the stream at once (UNAVAILABLE).
+GENERATE_BASE_S = 600.0
+GENERATE_FLOOR_TOKENS_PER_S = 10.0
+
+
+def generate_deadline_s(prompts: int, n: int, max_new_tokens: int) -> float:
+    """Seconds one Generate call of `prompts` x `n` samples of up to `max_new_tokens` tokens may take."""
+    return GENERATE_BASE_S + prompts * n * max_new_tokens / GENERATE_FLOOR_TOKENS_PER_S
 
 
 @dataclass
@@ -129,7 +140,8 @@ class Rollouts:
             out = []
             # seeds per global prompt index: the result does not depend on how prompts are sharded
             for t in self.clients[j].generate([prompts[i] for i in idx], n=n, temperature=temperature,
-                                              max_new_tokens=max_new_tokens, seed=seed, prompt_offsets=idx):
+                                              max_new_tokens=max_new_tokens, seed=seed, prompt_offsets=idx,
+                                              timeout_s=generate_deadline_s(len(idx), n, max_new_tokens)):
                 if self.versions[j]:  # the trainer's numbering (as is before adopt(): nothing to map yet)
                     t.policy_version = self.versions[j].get(t.policy_version, -1)
                     if t.last_policy_version >= 0:

@@ -194,3 +194,43 @@ def test_the_chunked_loss_saves_the_planned_rows_and_no_logits(dtype: torch.dtyp
     assert max(t.numel() for t in saved) == v * h  # the largest is the lm_head weight itself (not a copy)
     logp.sum().backward()
     assert weight.grad is not None and weight.grad.dtype == dtype
+
+
+def _act(shape: plan.Shape, run: plan.Run, ranks: int) -> dict[str, float]:
+    return {n: b for _, n, b in plan.trainer_terms(shape, run, plan.Trainer(ranks=ranks, **plan.AS_CODED))}
+
+
+@pytest.mark.parametrize("ranks", [1, 8])
+def test_a_token_budget_plans_whole_micro_batches_per_rank(ranks: int) -> None:
+    """By tokens, a micro-batch is not dealt over the ranks: T = 2 x (prompt + response) plans what 2 full rows on
+    every rank plan with fixed micro-batches (micro_batch_size 2 x ranks), whatever the rank count."""
+    shape = plan.load_shape("qwen3-14b")
+    fixed = plan.Run(micro_batch_size=2 * ranks)
+    budget = plan.Run(micro_batch_size=1, max_tokens_per_micro_batch=2 * fixed.seq)
+    assert budget.micro_shapes(ranks) == [(2, fixed.seq, 2 * fixed.max_new_tokens)] * 2
+    assert _act(shape, budget, ranks) == _act(shape, fixed, ranks)
+    # micro_batch_size is not read by the budget path (the old plan read it: 1 row, about half the activations)
+    assert _act(shape, budget, ranks)["total per rank"] > _act(shape, plan.Run(micro_batch_size=1), 8)["total per rank"]
+
+
+def test_a_budget_that_is_not_a_multiple_of_the_row_plans_its_largest_micro_batch() -> None:
+    """T = 1.5 rows: one full row (alone), or 2 rows of 0.75 rows each (1.5 rows' tokens, masked): the larger."""
+    shape = plan.load_shape("qwen2.5-7b")
+    run = plan.Run(max_tokens_per_micro_batch=3 * plan.Run().seq // 2)
+    one, two = run.micro_shapes(8)
+    assert one == (1, run.seq, run.max_new_tokens) and two[0] == 2 and two[1] == run.max_tokens_per_micro_batch // 2
+    total = _act(shape, run, 8)["total per rank"]
+    assert total == max(plan._trainer_terms(shape, run, plan.Trainer(ranks=8), *s)[-1][2] for s in (one, two))
+    assert total > plan._trainer_terms(shape, run, plan.Trainer(ranks=8), *one)[-1][2]
+    assert run.micros_per_update == 32 * 16  # every row at full length: one per micro-batch
+
+
+def test_the_cli_takes_the_budget_from_the_recipe_or_the_flag(capsys: pytest.CaptureFixture[str],
+                                                               tmp_path: Path) -> None:
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("max_new_tokens = 2048\nmax_tokens_per_micro_batch = 16384\n")
+    assert plan.Run.from_recipe(recipe).max_tokens_per_micro_batch == 16384
+    assert plan.main(["--recipe", str(recipe), "--model", "qwen2.5-1.5b", "--ranks", "4", "--gpu", "80",
+                      "--max-tokens-per-micro-batch", "8192", "--prompt-tokens", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batches of <= 8192 padded tokens each" in out and "total per rank" in out

@@ -57,10 +57,35 @@ def test_every_recipe_loads_and_validates(path: Path, tmp_path: Path) -> None:
     assert (flagged.model, flagged.num_steps) == (str(tmp_path), 3)
 
 
+def _longest_row(cfg: RunConfig) -> int:
+    """Prompt + response tokens of the longest row: scripts/memory_plan.py's prompt cap (DAPO's 2,048) + the cap."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import memory_plan
+
+    return memory_plan.Run().prompt_tokens + cfg.max_new_tokens
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_the_recipes_take_micro_batches_by_tokens(path: Path) -> None:
+    """Every recipe but the embedded demo sets the token budget (issue 45); with the mask on, the step-scope top-k
+    (docs/algorithms-departures.md §6); the budget holds the longest row (a row longer would be alone: allowed,
+    but then the recipe's memory sizing would not hold), and the recipe says how it was sized."""
+    cfg = _load(path)
+    if path.name == "tiny_default.toml":  # <= 16-token responses: fixed micro-batches (its comment says why)
+        assert cfg.max_tokens_per_micro_batch == 0 and "fixed micro-batches" in path.read_text()
+        return
+    assert cfg.max_tokens_per_micro_batch >= _longest_row(cfg), path.name
+    assert cfg.entropy_top_frac == 1 or cfg.mask_scope == "step", path.name
+    line = next(s for s in path.read_text().splitlines() if s.startswith("max_tokens_per_micro_batch"))
+    assert "#" in line and "memory_plan" in path.read_text(), "the budget's sizing is said"
+
+
 def test_the_paper_recipe_has_the_papers_hyper_parameters() -> None:
     cfg = _load(REPO_ROOT / "recipes" / "dapo_paper.toml")
     assert (cfg.loss, cfg.entropy_top_frac, cfg.kl_beta) == ("dapo", 0.2, 0.0)
     assert cfg.activation_checkpointing  # 20,480-token responses: docs/scaling.md "Memory plan"
+    # one longest row per micro-batch, by tokens (verl's ppo_max_token_len_per_gpu); the top-k per update
+    assert (cfg.max_tokens_per_micro_batch, cfg.mask_scope) == (2048 + 20480, "step")
     assert (cfg.prompts_per_step, cfg.group_size, cfg.mini_batch_prompts, cfg.ppo_epochs) == (512, 16, 32, 1)
     assert cfg.prompts_per_step // cfg.mini_batch_prompts == 16  # updates per rollout batch
     assert (cfg.clip_low, cfg.clip_high) == (0.2, 0.28)
