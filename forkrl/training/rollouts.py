@@ -74,10 +74,10 @@ from forkrl.weights.shm import SharedWeightsFile, default_sync_dir
 log = logging.getLogger("forkrl.rollouts")
 # answers to a LoadWeights of the shm file that mean "this service does not see the file": stream instead
 _NOT_COLOCATED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)
-# The deadline of one Generate call grows with the tokens it may generate: a fixed one (RolloutClient's 600 s) ended
-# every long-response batch that took longer (512 x 16 x 20,480 tokens is hours on one engine) with
-# DEADLINE_EXCEEDED, which fails the run. The floor rate is far below any engine's (the CPU test model: ~1,000
-# tokens/s), so only a hung service reaches it; a dead one breaks the stream at once (UNAVAILABLE).
+# The deadline of one Generate call grows with the tokens it may generate: a fixed one (RolloutClient's default)
+# ended every long-response batch that outlasted it (the DAPO recipe asks for prompts x n x 20,480 tokens) with
+# DEADLINE_EXCEEDED, which fails the run. The floor rate is far below any engine's, so only a hung service reaches
+# it; a dead one breaks the stream at once (UNAVAILABLE).
 GENERATE_BASE_S = 600.0
 GENERATE_FLOOR_TOKENS_PER_S = 10.0
 
