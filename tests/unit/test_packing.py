@@ -7,7 +7,8 @@ types. Float64 (0 to ~3e-15 measured on log-probs and entropies; TOL 1e-9; gradi
 norms compute in float32 even in a float64 model, and their weight gradients sum the tokens in another order, 2e-6
 of 28 measured); the MoE types in float32 (their expert matmuls take no float64: ~5e-6 measured, TOL32).
 A model or attention implementation not checked is refused by name, and so is packing without the token budget
-(the packed row's length budget). The train step on packed micro-batches equals fixed micro-batches: tests/unit/test_microbatch.py, tests/dist/test_token_budget_ranks.py (2 ranks)."""
+(the packed row's length budget). The train step on packed micro-batches equals fixed micro-batches:
+tests/unit/test_microbatch.py, tests/dist/test_token_budget_ranks.py (2 ranks)."""
 
 from __future__ import annotations
 
