@@ -1,6 +1,6 @@
 """Long-tailed response lengths: fixed micro-batches vs the token budget vs packed sequences, on 1 and 2 CPU ranks.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_lengths.py          # ~3-5 min on a 2-core machine
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_lengths.py          # a few minutes on a 2-core machine
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_lengths.py --ranks 1 --rows 16   # quicker
 
 Lengths. RL responses on reasoning tasks are long-tailed: most are a few hundred tokens, a few run to the

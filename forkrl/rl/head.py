@@ -27,7 +27,7 @@ transformers (5.19) finds the sequences from the position ids and masks attentio
 sliding window applied inside each sequence: distances within a sequence are unchanged) in its eager and sdpa
 mask builders, and flash-attention runs them as varlen sequences; every type of the table was checked on a
 tiny random model with windows shorter than the sequences, sdpa and eager: packed equals alone to float64
-rounding (0 to 3e-15; the MoE types in float32 to 5e-6; tests/unit/test_packing.py). The attention implementations
+rounding (the MoE types to float32 rounding; tests/unit/test_packing.py). The attention implementations
 allowed are those (`PACKED_ATTENTION`); another (a custom kernel registered by name) may ignore the position ids
 and let each sequence attend to the ones before it, and is refused, as is a model type added to the table before
 it is checked packed (`_PACKED`).

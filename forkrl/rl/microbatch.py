@@ -23,8 +23,8 @@ Mini-batches are contiguous runs of `mini` rows (whole groups when `mini` is a m
 - Packed sequences (`token_plan(..., packed=True)`, `pack_sequences`): a micro-batch is one row in which its
   sequences lie end to end (forkrl/rl/forward.py `packed_rows`), so its size is the sum of their lengths, at most T,
   with no padding whatever rows share it. So the rows are dealt to the ranks first, one by one (`balance` over the
-  rows: every rank within a fraction of a row of the mean, where whole micro-batches of ~T tokens each would leave
-  a rank a whole micro-batch short: 10% on 8 ranks at T = 32k), and each rank packs its own rows (`fill`:
+  rows: every rank within a fraction of a row of the mean, where whole micro-batches of nearly T tokens each
+  would leave a rank up to a whole micro-batch short), and each rank packs its own rows (`fill`:
   first-fit-decreasing bin packing, longest first, each sequence into the first micro-batch it still fits, a
   sequence longer than T alone); each rank's micro-batches run largest first, as above.
 
