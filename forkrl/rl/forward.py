@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from forkrl.rl.head import attention_window, check_packing
+from forkrl.rl.varlen import NAME, seq_bounds
 
 __all__ = ["decoder_forward", "final_hidden_states", "packed_rows", "shared_prefix_rows"]
 
@@ -139,8 +140,11 @@ def packed_rows(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tenso
     positions it has in its padded row (build_batch's layout: right-padded, so 0, 1, ... as in the plain forward).
     With a cache, or an attention mask, it would not (the second sequence would attend to the first: logits off
     by O(0.1)). forkrl/rl/head.py `check_packing` refuses a model or attention implementation where packing is
-    not the sequences' own forward (UnsupportedModel); ValueError for a batch not right-padded."""
-    check_packing(model.config, getattr(model.config, "_attn_implementation", None))  # type: ignore[union-attr]
+    not the sequences' own forward (UnsupportedModel); ValueError for a batch not right-padded. Under
+    forkrl/rl/varlen.py `varlen_attention` (the train step's) an sdpa model attends within each sequence only,
+    instead of over the whole row with a block-diagonal mask: the same numbers for a fraction of the work."""
+    attn = getattr(model.config, "_attn_implementation", None)  # type: ignore[union-attr]
+    check_packing(model.config, "sdpa" if attn == NAME else attn)
     b, width = input_ids.shape
     device = input_ids.device
     lengths = attention_mask.sum(dim=1)
@@ -152,7 +156,10 @@ def packed_rows(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tenso
     keep = attention_mask.bool()
     ids = input_ids[keep].unsqueeze(0)  # [1, S]: row 0's tokens, then row 1's, ...
     position_ids = pos.expand(b, -1)[keep].unsqueeze(0)
-    hidden, _ = decoder_forward(model, ids, None, use_cache=False, position_ids=position_ids)  # type: ignore[arg-type]
+    # the sequence bounds: flash-attention's varlen path and forkrl/rl/varlen.py's read them; sdpa and eager ignore
+    # them and mask by the position ids
+    hidden, _ = decoder_forward(model, ids, None, use_cache=False, position_ids=position_ids,  # type: ignore[arg-type]
+                                **seq_bounds(lengths))
     starts = torch.cumsum(lengths, 0) - lengths  # each row's first token in the packed row
     at = (starts.unsqueeze(1) + pos[:-1].unsqueeze(0))[response_mask]  # row-major: the plain forward's order
     return hidden[0, at]

@@ -23,14 +23,14 @@ move keys in or out of a window.
 
 `check_packing(config)`: whether packed sequences (forkrl/rl/forward.py `packed_rows`: several sequences in one row,
 position ids restarting at each, no attention mask, no cache) give each sequence the hidden states it has alone.
-transformers (5.19) finds the sequences from the position ids and masks attention block-causally (with a
-sliding window applied inside each sequence: distances within a sequence are unchanged) in its eager and sdpa
-mask builders, and flash-attention runs them as varlen sequences; every type of the table was checked on a
-tiny random model with windows shorter than the sequences, sdpa and eager: packed equals alone to float64
-rounding (the MoE types to float32 rounding; tests/unit/test_packing.py). The attention implementations
-allowed are those (`PACKED_ATTENTION`); another (a custom kernel registered by name) may ignore the position ids
-and let each sequence attend to the ones before it, and is refused, as is a model type added to the table before
-it is checked packed (`_PACKED`).
+transformers (5.19) finds the sequences from the position ids and masks attention block-causally (with a sliding
+window applied inside each sequence: distances within a sequence are unchanged) in its eager and sdpa mask builders,
+and flash-attention runs them as varlen sequences (and forkrl/rl/varlen.py runs sdpa per sequence in the train step);
+every type of the table was checked on a tiny random model with windows shorter than the sequences, sdpa and eager:
+packed equals alone to float64 rounding (the MoE types to float32 rounding; tests/unit/test_packing.py). The attention
+implementations allowed are those (`PACKED_ATTENTION`); another (a custom kernel registered by name) may ignore the
+position ids and let each sequence attend to the ones before it, and is refused, as is a model type added to the table
+before it is checked packed (`_PACKED`).
 """
 
 from __future__ import annotations

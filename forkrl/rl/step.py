@@ -96,6 +96,7 @@ from forkrl.rl.microbatch import Plan, fixed_plan, token_plan
 from forkrl.rl.options import check_budget_scope, check_pack_budget
 from forkrl.rl.step_metrics import Tally, record_micro, step_metrics
 from forkrl.rl.tis import tis_weights
+from forkrl.rl.varlen import varlen_attention
 
 __all__ = ["Batch", "StepStopped", "build_batch", "train_step"]
 
@@ -431,49 +432,51 @@ def train_step(
         else fixed_plan(resp, mini, micro_batch_size, world)
     if not plan:
         raise ValueError(f"all {n} completions of the step are empty (0 tokens): nothing to train on")
-    advantages = advantages.to(device)
-    micros = [[ctx.local(slot) for slot in slots] for slots in plan]
-    acc, last = Tally(), {}
-    applied = skipped = 0
-    stopped = False
-    try:
-        old: list[list[Tensor | None]] | None = None
-        if len(plan) * epochs > 1:  # π_old: the weights before the first update, on the same micro-batches (§3.8)
-            model.train()
-            old = []
-            with torch.no_grad():
-                for mus in micros:
-                    old.append([])
-                    for mu in mus:
-                        ctx.check_stop()
-                        if mu.mb is None:
-                            ctx.join(grad=False)
-                        old[-1].append(ctx.forward(mu.mb, False)[0] if mu.mb is not None else None)
-        for _ in range(epochs):
-            for k, mus in enumerate(micros):
-                if _update(ctx, k, plan[k], mus, None if old is None else old[k], advantages, max_grad_norm, acc, last,
-                           skipped_out):
-                    applied += 1
-                else:
-                    skipped += 1
-    except _Stop:
-        # the abandoned update's half-accumulated gradient (under FSDP2 with grad_sync="last" the unsynced
-        # micro-batches' part also sits on the unsharded parameters until the next synced backward: a stopped run
-        # trains no more)
-        optimizer.zero_grad(set_to_none=True)
-        if applied == 0:
-            raise StepStopped("the stop arrived before any update of the step was applied") from None
-        stopped = True
-    out = step_metrics(acc, n_applied=applied, n_skipped=skipped, micro_batches=sum(len(b) for b in plan),
-                       tis_on=loss_cfg.tis_cap is not None, device=device, group=group)
-    if stopped:
-        out["stopped"] = 1.0
-        return out
-    if kl_pass:
+    # packed rows attend within each sequence only (sdpa models), also in activation checkpointing's recompute
+    with varlen_attention(*((model, ref_model) if pack_sequences else ())):
+        advantages = advantages.to(device)
+        micros = [[ctx.local(slot) for slot in slots] for slots in plan]
+        acc, last = Tally(), {}
+        applied = skipped = 0
+        stopped = False
         try:
-            out["approx_kl"], out["approx_kl_all"] = _approx_kl(ctx, micros, last)
-        except _Stop:  # every update is applied: only this telemetry is left out
+            old: list[list[Tensor | None]] | None = None
+            if len(plan) * epochs > 1:  # π_old: the weights before the first update, on the same micro-batches (§3.8)
+                model.train()
+                old = []
+                with torch.no_grad():
+                    for mus in micros:
+                        old.append([])
+                        for mu in mus:
+                            ctx.check_stop()
+                            if mu.mb is None:
+                                ctx.join(grad=False)
+                            old[-1].append(ctx.forward(mu.mb, False)[0] if mu.mb is not None else None)
+            for _ in range(epochs):
+                for k, mus in enumerate(micros):
+                    if _update(ctx, k, plan[k], mus, None if old is None else old[k], advantages, max_grad_norm, acc,
+                               last, skipped_out):
+                        applied += 1
+                    else:
+                        skipped += 1
+        except _Stop:
+            # the abandoned update's half-accumulated gradient (under FSDP2 with grad_sync="last" the unsynced
+            # micro-batches' part also sits on the unsharded parameters until the next synced backward: a stopped run
+            # trains no more)
+            optimizer.zero_grad(set_to_none=True)
+            if applied == 0:
+                raise StepStopped("the stop arrived before any update of the step was applied") from None
+            stopped = True
+        out = step_metrics(acc, n_applied=applied, n_skipped=skipped, micro_batches=sum(len(b) for b in plan),
+                           tis_on=loss_cfg.tis_cap is not None, device=device, group=group)
+        if stopped:
+            out["stopped"] = 1.0
             return out
-    if kept_out is not None:
-        kept_out.extend(_kept_rows(ctx, plan, micros, last))
-    return out
+        if kl_pass:
+            try:
+                out["approx_kl"], out["approx_kl_all"] = _approx_kl(ctx, micros, last)
+            except _Stop:  # every update is applied: only this telemetry is left out
+                return out
+        if kept_out is not None:
+            kept_out.extend(_kept_rows(ctx, plan, micros, last))
+        return out

@@ -26,6 +26,7 @@ from forkrl.rl.forward import packed_rows
 from forkrl.rl.head import UnsupportedModel, check_packing, supported_model_types
 from forkrl.rl.losses import LossConfig
 from forkrl.rl.step import train_step
+from forkrl.rl.varlen import NAME, varlen_attention
 from forkrl.training.config import RunConfig
 from forkrl.training.preflight import check_architecture
 
@@ -86,11 +87,11 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
     assert err <= tol * max(1.0, float(b.abs().max())), err
 
 
-def _check(model: torch.nn.Module, tol: float, tol_grad: float, ref: torch.nn.Module | None = None) -> None:
-    """Packed `model` against the padded forward of `ref` (default: the same model)."""
+def _check(model: torch.nn.Module, tol: float, tol_grad: float, ref: torch.nn.Module | tuple | None = None) -> None:
+    """Packed `model` against the padded forward of `ref` (default: the same model; or its `_run` result)."""
     b = _batch()
     rm = b.response_mask
-    ref_lp, ref_ent, ref_g = _run(model if ref is None else ref, b, pack=False)
+    ref_lp, ref_ent, ref_g = ref if isinstance(ref, tuple) else _run(model if ref is None else ref, b, pack=False)
     lp, ent, g = _run(model, b, pack=True)
     _close(lp[rm], ref_lp[rm], tol)
     _close(ent[rm], ref_ent[rm], tol)
@@ -100,11 +101,20 @@ def _check(model: torch.nn.Module, tol: float, tol_grad: float, ref: torch.nn.Mo
         _close(v, ref_g[k], tol_grad)
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["block-mask", "varlen"])
 @pytest.mark.parametrize("model_type", supported_model_types())
-def test_packed_rows_equal_the_padded_forward_on_every_accepted_model_type(model_type: str) -> None:
+def test_packed_rows_equal_the_padded_forward_on_every_accepted_model_type(model_type: str, varlen: bool) -> None:
+    """transformers' sdpa over the whole packed row with its block-diagonal mask, and forkrl/rl/varlen.py's sdpa
+    per sequence (the train step's), against the padded forward on plain sdpa."""
     model = _model(model_type)
     check_packing(model.config, model.config._attn_implementation)  # accepted
-    _check(model, *((TOL32, TOL32) if model_type in FLOAT32 else (TOL, TOL_GRAD)))
+    tols = (TOL32, TOL32) if model_type in FLOAT32 else (TOL, TOL_GRAD)
+    b = _batch()
+    ref = _run(model, b, pack=False)
+    with varlen_attention(model if varlen else None):
+        assert (model.config._attn_implementation == NAME) == (varlen and model_type != "gptj")  # gptj: eager
+        _check(model, *tols, ref=ref)
+    assert model.config._attn_implementation in ("sdpa", "eager")  # switched back
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "mistral", "gemma2"])
@@ -183,3 +193,26 @@ def test_packing_needs_the_token_budget() -> None:
                    LossConfig(name="grpo"), temperature=1.0, micro_batch_size=4, max_grad_norm=1.0,
                    pack_sequences=True)
     assert RunConfig(pack_sequences=True, max_tokens_per_micro_batch=4096).pack_sequences
+
+
+def test_varlen_attention_attends_within_each_sequence_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under varlen_attention each sdpa call covers one sequence (its length), never the whole packed row; outside
+    it, the packed row is one call per layer (transformers' block mask) and the model is on sdpa again."""
+    model = _model("qwen2")
+    b = _batch()
+    seen: list[int] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(q.shape[2])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    lengths = b.attention_mask.sum(1).tolist()
+    with torch.no_grad():
+        with varlen_attention(model):
+            packed_rows(model, b.input_ids, b.attention_mask, b.response_mask)
+        assert sorted(seen) == sorted(lengths * 2)  # 2 layers, each sequence alone
+        seen.clear()
+        packed_rows(model, b.input_ids, b.attention_mask, b.response_mask)
+    assert seen == [sum(lengths)] * 2 and model.config._attn_implementation == "sdpa"
