@@ -216,3 +216,29 @@ def test_varlen_attention_attends_within_each_sequence_only(monkeypatch: pytest.
         seen.clear()
         packed_rows(model, b.input_ids, b.attention_mask, b.response_mask)
     assert seen == [sum(lengths)] * 2 and model.config._attn_implementation == "sdpa"
+
+
+def test_packed_step_with_activation_checkpointing_equals_fixed_micro_batches() -> None:
+    """Activation checkpointing recomputes each layer's forward in the backward: under the packed step that is the
+    same per-sequence attention (varlen_attention spans the backward), so the update equals fixed micro-batches'."""
+    from forkrl.training.distributed import enable_activation_checkpointing
+    from tests.dist.budget_worker import BUDGET, CASES, KW, build_inputs
+    from tests.dist.dp_worker import build_model
+
+    cfg, _ = CASES["dapo"]
+    out = []
+    for budget, pack, ckpt in ((0, False, False), (BUDGET, True, True)):
+        batch, adv = build_inputs()
+        model = build_model(False)
+        if ckpt:
+            enable_activation_checkpointing(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.3)
+        m = train_step(model, opt, batch, adv, cfg, micro_batch_size=4, max_tokens_per_micro_batch=budget,
+                       pack_sequences=pack, **KW)
+        out.append((m, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+        assert model.config._attn_implementation == "sdpa"
+    (ref, w_ref), (got, w) = out
+    assert got["kept_tokens"] == ref["kept_tokens"] and got["n_updates"] == ref["n_updates"] == 4
+    assert abs(got["loss"] - ref["loss"]) <= 4e-5 * max(1.0, abs(ref["loss"]))
+    scale = max(1.0, max(float(v.abs().max()) for v in w_ref.values()))
+    assert max(float((w[k] - w_ref[k]).abs().max()) for k in w_ref) <= 4 * 0.3 * 1e-5 * scale  # u lr REL
