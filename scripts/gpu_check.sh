@@ -4,7 +4,9 @@
 # rollout service (vLLM) on GPU 0, the trainer on the other GPUs (torchrun + FSDP2; 1 GPU: both on GPU 0, vLLM's
 # KV cache capped), and recipes/dapo_paper.toml through clients/start_run.py --config with flags that scale it
 # down: loss dapo, --entropy-top-frac 0.2, mini-batches (4 AdamW updates per rollout batch), TIS cap 2,
-# activation checkpointing, 10 steps of 32 prompts x 8 samples, <= 256 new tokens, weights pushed through vLLM's
+# activation checkpointing, packed sequences (--pack-sequences: micro-batches of one packed row of <= 4096 tokens,
+# --mask-scope step as the token budget needs; the trainer's default attention, sdpa: forkrl has no setting that
+# loads flash-attention yet), 10 steps of 32 prompts x 8 samples, <= 256 new tokens, weights pushed through vLLM's
 # weight-transfer API (--weight-sync transfer: nccl; 1 GPU: shm, below). Prints generation tokens/s, the
 # per-step times (generate/train/push), the push route, peak memory per trainer rank, GPU and process, the wall
 # time (warns past 480 s), then PASS or FAIL; exits non-zero when a step is missing, skipped or short of its
@@ -64,7 +66,7 @@ if [ "$DEVICE" = cuda ]; then
   fi
   SIZE=1.5b; DTYPE=bfloat16; MAXLEN=1024; THREADS=4; TF32=${GPU_CHECK_TF32:-1}; BACKEND=auto; SIZING=()
   STEPS=${GPU_CHECK_STEPS:-10}; PROMPTS=${GPU_CHECK_PROMPTS:-32}; GROUP=${GPU_CHECK_GROUP:-8}
-  MINI=${GPU_CHECK_MINI:-8}; MAXNEW=${GPU_CHECK_MAX_NEW:-256}; MICRO=16
+  MINI=${GPU_CHECK_MINI:-8}; MAXNEW=${GPU_CHECK_MAX_NEW:-256}; MICRO=16; TOKENS=4096
   ROLLOUT_GPUS=0
   if [ "$NGPU" -gt 1 ]; then
     RANKS=${GPU_CHECK_RANKS:-$((NGPU - 1))}; TRAINER_GPUS=$(seq -s, 1 "$RANKS"); SYNC=${GPU_CHECK_WEIGHT_SYNC:-transfer}
@@ -76,7 +78,7 @@ elif [ "$DEVICE" = cpu ]; then
   NGPU=0; SIZE=tiny-1.5b; DTYPE=float32; MAXLEN=512; THREADS=1; TF32=0; BACKEND=vllm  # auto: torch at this size
   SIZING=(--kv-cache-gib "${ROLLOUT_KV_CACHE_GIB:-1}")
   STEPS=${GPU_CHECK_STEPS:-3}; PROMPTS=${GPU_CHECK_PROMPTS:-4}; GROUP=${GPU_CHECK_GROUP:-4}
-  MINI=${GPU_CHECK_MINI:-2}; MAXNEW=${GPU_CHECK_MAX_NEW:-16}; MICRO=8; RANKS=${GPU_CHECK_RANKS:-2}
+  MINI=${GPU_CHECK_MINI:-2}; MAXNEW=${GPU_CHECK_MAX_NEW:-16}; MICRO=8; TOKENS=256; RANKS=${GPU_CHECK_RANKS:-2}
   ROLLOUT_GPUS=; TRAINER_GPUS=; SYNC=${GPU_CHECK_WEIGHT_SYNC:-transfer}
 else
   echo "gpu_check: FORKRL_GPU_CHECK_DEVICE must be cuda or cpu, got $DEVICE" >&2; exit 2
@@ -164,6 +166,7 @@ RUN_RC=0
   --model "$WORK/model" --dataset "$WORK/data.jsonl" --prompt-format dapo_plain --run-dir "$WORK/runs/check" \
   --rollout-addresses "127.0.0.1:$RPORT" --num-steps "$STEPS" --prompts-per-step "$PROMPTS" --group-size "$GROUP" \
   --mini-batch-prompts "$MINI" --micro-batch-size "$MICRO" --max-new-tokens "$MAXNEW" \
+  --max-tokens-per-micro-batch "$TOKENS" --pack-sequences --mask-scope step \
   --overlong-cache-len "$OVERLONG" --no-dynamic-sampling --loss dapo --entropy-top-frac 0.2 --tis-cap 2.0 \
   --activation-checkpointing --eval-prompts 0 --save-every 0 --log-to jsonl --weight-sync "$SYNC" --no-detach \
   2>&1 | tee "$WORK/run.log" || RUN_RC=$?

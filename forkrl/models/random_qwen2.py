@@ -3,12 +3,12 @@
     python -m forkrl.models.random_qwen2 --size 400m --out .cache/bench-models/qwen2-400m
     build_random_qwen2(out, "1.5g")          # -> out (reused when it already holds that build)
 
-For benchmarks and the GPU check (bench/bench_weights.py, scripts/gpu_check.sh): the weights are noise, the
-tokenizer is the embedded default model's character tokenizer. Most sizes take their vocab_size from it, so
-the bytes sit in the decoder layers as in a real model of that size without the 150k-token embedding; `1.5b`
-is Qwen2.5-1.5B's shape whole (its config.json: vocab_size 151936, tied embeddings, rope_theta 1e6), and
-`tiny-1.5b` the tiny layers with that vocabulary and tying (the GPU check's --dry-run). Ids past the tokenizer's
-vocabulary decode to nothing, as Qwen2.5's padded ids do. fp32 safetensors, loadable by transformers and vLLM
+For benchmarks and the GPU check (bench/bench_weights.py, bench/bench_lengths.py, scripts/gpu_check.sh): the weights
+are noise, the tokenizer is the embedded default model's character tokenizer. Most sizes take their vocab_size from
+it, so the bytes sit in the decoder layers as in a real model of that size without the 150k-token embedding; `1.5b`
+is Qwen2.5-1.5B's shape whole (its config.json: vocab_size 151936, tied embeddings, rope_theta 1e6), and `tiny-1.5b`
+the tiny layers with that vocabulary and tying (the GPU check's --dry-run). Ids past the tokenizer's vocabulary
+decode to nothing, as Qwen2.5's padded ids do. fp32 safetensors, loadable by transformers and vLLM
 unchanged.
 
 `no_eos` (`--no-eos`): the model never samples EOS, so that every response runs to max_new_tokens (long-response
@@ -24,6 +24,7 @@ Sizes (fp32 bytes of the weights):
 |---|---|---|---|---|---|---|
 | tiny | 64 | 2 | 2 (1) | 256 | tokenizer's | 0.1 M |
 | tiny-1.5b | 64 | 2 | 2 (1) | 256 | 151936, tied | 9.8 M (39 MB) |
+| bench | 256 | 2 | 4 (2) | 1024 | tokenizer's | 2.0 M |
 | 400m | 1024 | 8 | 16 (2) | 3584 | tokenizer's | 107 M (0.43 GB) |
 | 0.5b | 1024 | 28 | 16 (2) | 5120 | tokenizer's | 507 M (2.0 GB) |
 | 1.5g | 1536 | 8 | 12 (2) | 8960 | tokenizer's | 374 M (1.50 GB) |
@@ -45,6 +46,8 @@ SIZES: dict[str, dict[str, int | float | bool]] = {
                  intermediate_size=256),
     "tiny-1.5b": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                       intermediate_size=256, **_QWEN25),
+    "bench": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=1024),  # bench/bench_lengths.py: long rows on a 2-core CPU
     "400m": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2,
                  intermediate_size=3584),
     "0.5b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=2,

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from forkrl.rl.forward import final_hidden_states, shared_prefix_rows
+from forkrl.rl.forward import final_hidden_states, packed_rows, shared_prefix_rows
 from forkrl.rl.head import LogitsPost, logits_post
 
 __all__ = ["causal_lm_logprobs_and_entropy", "hidden_logprobs_and_entropy", "shift_for_causal_lm",
@@ -268,10 +268,13 @@ def causal_lm_logprobs_and_entropy(
     chunk_size: int = 1024,
     with_entropy: bool = True,
     share_prefix: bool = False,
+    pack: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """logp and entropy of the target tokens marked by response_mask, from the model's final hidden states (§1.2).
     share_prefix: compute each distinct prompt once (forkrl/rl/forward.py; the same numbers up to float rounding),
-    where the batch repeats prompts; otherwise the plain forward.
+    where the batch repeats prompts; otherwise the plain forward. pack: the rows end to end in one row without
+    padding (forkrl/rl/forward.py `packed_rows`; the same numbers up to float rounding; share_prefix is then not
+    used).
 
     Args:
         model: an HF causal LM (its `get_decoder()` output, `get_output_embeddings()`'s weight and bias, and what
@@ -291,7 +294,9 @@ def causal_lm_logprobs_and_entropy(
     post = logits_post(model.config)  # first: an unknown model is refused before any work
     head = model.get_output_embeddings()  # type: ignore[operator]
     rows = None
-    if share_prefix:
+    if pack:
+        rows = packed_rows(model, input_ids, attention_mask, response_mask)
+    elif share_prefix:
         rows = shared_prefix_rows(model, input_ids, attention_mask, response_mask)
     if rows is None:
         hidden = final_hidden_states(model, input_ids, attention_mask)

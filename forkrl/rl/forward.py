@@ -1,5 +1,6 @@
 """The decoder's forward for the train step: the final hidden states of an HF causal LM (pure torch, no I/O),
-plain (`final_hidden_states`) or with each distinct prompt computed once (`shared_prefix_rows`).
+plain (`final_hidden_states`), with each distinct prompt computed once (`shared_prefix_rows`), or with the rows
+packed end to end into one row without padding (`packed_rows`, at the bottom).
 
 `final_hidden_states` runs the model's own forward with the lm_head applied to no position, so wrappers of the
 whole model (FSDP2's root hooks) run as for any forward, and reads the decoder's output with a forward hook.
@@ -38,9 +39,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from forkrl.rl.head import attention_window
+from forkrl.rl.head import attention_window, check_packing
+from forkrl.rl.varlen import NAME, seq_bounds
 
-__all__ = ["decoder_forward", "final_hidden_states", "shared_prefix_rows"]
+__all__ = ["decoder_forward", "final_hidden_states", "packed_rows", "shared_prefix_rows"]
 
 
 def final_hidden_states(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -128,3 +130,36 @@ def shared_prefix_rows(model: torch.nn.Module, input_ids: Tensor, attention_mask
     full = torch.cat([h_first.unsqueeze(1), h_resp], dim=1)  # [R, w + 1, h]: target k of each row at column k
     keep = torch.arange(w + 1, device=device).unsqueeze(0) < clen.unsqueeze(1)
     return full[keep]
+
+
+def packed_rows(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
+    """The final hidden states [n, h] of the scored positions (n = response_mask.sum()), in the order of the plain
+    forward's `hidden[:, :-1][response_mask]`, from ONE forward over the rows laid end to end (each row's
+    attention_mask.sum() tokens, no padding) with position ids restarting at 0 for each row, no attention mask and
+    no KV cache: transformers then masks attention block-causally, so each sequence sees only itself, at the
+    positions it has in its padded row (build_batch's layout: right-padded, so 0, 1, ... as in the plain forward).
+    With a cache, or an attention mask, it would not (the second sequence would attend to the first: logits off
+    by O(0.1)). forkrl/rl/head.py `check_packing` refuses a model or attention implementation where packing is
+    not the sequences' own forward (UnsupportedModel); ValueError for a batch not right-padded. Under
+    forkrl/rl/varlen.py `varlen_attention` (the train step's) an sdpa model attends within each sequence only,
+    instead of over the whole row with a block-diagonal mask: the same numbers for a fraction of the work."""
+    attn = getattr(model.config, "_attn_implementation", None)  # type: ignore[union-attr]
+    check_packing(model.config, "sdpa" if attn == NAME else attn)
+    b, width = input_ids.shape
+    device = input_ids.device
+    lengths = attention_mask.sum(dim=1)
+    pos = torch.arange(width, device=device)
+    if not torch.equal(attention_mask.bool(), pos.unsqueeze(0) < lengths.unsqueeze(1)):
+        raise ValueError("packed rows need right-padded rows (attention_mask 1 on each row's first tokens, then 0)")
+    if bool((response_mask & ~(pos[:-1].unsqueeze(0) < (lengths - 1).unsqueeze(1))).any()):
+        raise ValueError("response_mask marks a target past its row's last token")
+    keep = attention_mask.bool()
+    ids = input_ids[keep].unsqueeze(0)  # [1, S]: row 0's tokens, then row 1's, ...
+    position_ids = pos.expand(b, -1)[keep].unsqueeze(0)
+    # the sequence bounds: flash-attention's varlen path and forkrl/rl/varlen.py's read them; sdpa and eager ignore
+    # them and mask by the position ids
+    hidden, _ = decoder_forward(model, ids, None, use_cache=False, position_ids=position_ids,  # type: ignore[arg-type]
+                                **seq_bounds(lengths))
+    starts = torch.cumsum(lengths, 0) - lengths  # each row's first token in the packed row
+    at = (starts.unsqueeze(1) + pos[:-1].unsqueeze(0))[response_mask]  # row-major: the plain forward's order
+    return hidden[0, at]

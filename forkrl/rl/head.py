@@ -20,6 +20,17 @@ dropped step there trains on silently wrong log-probs.
 `attention_window(config)` is the other architectural fact the train step needs: the sliding window of its
 attention (or None), for the shared-prompt forward (forkrl/rl/forward.py), whose padded layout would otherwise
 move keys in or out of a window.
+
+`check_packing(config)`: whether packed sequences (forkrl/rl/forward.py `packed_rows`: several sequences in one row,
+position ids restarting at each, no attention mask, no cache) give each sequence the hidden states it has alone.
+transformers (5.19) finds the sequences from the position ids and masks attention block-causally (with a sliding
+window applied inside each sequence: distances within a sequence are unchanged) in its eager and sdpa mask builders,
+and flash-attention runs them as varlen sequences (and forkrl/rl/varlen.py runs sdpa per sequence in the train step);
+every type of the table was checked on a tiny random model with windows shorter than the sequences, sdpa and eager:
+packed equals alone to float64 rounding (the MoE types to float32 rounding; tests/unit/test_packing.py). The attention
+implementations allowed are those (`PACKED_ATTENTION`); another (a custom kernel registered by name) may ignore the
+position ids and let each sequence attend to the ones before it, and is refused, as is a model type added to the table
+before it is checked packed (`_PACKED`).
 """
 
 from __future__ import annotations
@@ -30,7 +41,8 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["LogitsPost", "UnsupportedModel", "attention_window", "logits_post", "supported_model_types"]
+__all__ = ["PACKED_ATTENTION", "LogitsPost", "UnsupportedModel", "attention_window", "check_packing", "logits_post",
+           "supported_model_types"]
 
 
 class UnsupportedModel(ValueError):
@@ -155,3 +167,26 @@ def attention_window(config: Any) -> int | None:
     if isinstance(layer_types, list | tuple) and not any("sliding" in str(t) for t in layer_types):
         return None
     return window
+
+
+# model types checked packed == alone (module docstring; tests/unit/test_packing.py runs every one of them)
+_PACKED = frozenset(_PLAIN) | {"gemma2", "gemma3_text", "cohere", "cohere2", "granite", "granitemoe",
+                               "granitemoeshared"}
+PACKED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+"""Attention implementations that separate packed sequences by their position ids (module docstring)."""
+
+
+def check_packing(config: Any, attn_implementation: str | None = None) -> None:
+    """UnsupportedModel (a ValueError) naming the model type or the attention implementation when packed sequences
+    (pack_sequences) could let one sequence attend to another or change its numbers (module docstring); None when
+    they are the sequences' own. `attn_implementation`: the loaded model's (config._attn_implementation); None
+    where it is not known yet (a config.json before the model loads)."""
+    logits_post(config)  # an unknown type: refused by name first
+    model_type = _get(config, "model_type")
+    if model_type not in _PACKED:
+        raise UnsupportedModel(f"pack_sequences: model_type {model_type!r} is not checked for packed sequences "
+                               f"(checked: {', '.join(sorted(_PACKED))}); train it with pack_sequences off")
+    if attn_implementation is not None and attn_implementation not in PACKED_ATTENTION:
+        raise UnsupportedModel(f"pack_sequences: the attention implementation {attn_implementation!r} is not one "
+                               f"that separates packed sequences by their position ids ({', '.join(PACKED_ATTENTION)}"
+                               "); load the model with one of those or train with pack_sequences off")

@@ -28,6 +28,7 @@ __all__ = [
     "MaskNorm",
     "MaskScope",
     "check_budget_scope",
+    "check_pack_budget",
     "check_top_frac",
     "mask_is_on",
 ]
@@ -72,3 +73,12 @@ def check_budget_scope(max_tokens_per_micro_batch: int, mask_on: bool, mask_scop
                          "entropy_top_frac < 1, got mask_scope 'microbatch': token-budget micro-batches group rows by "
                          "length and rank count, so a per-micro-batch top-k would change with them (set "
                          "--mask-scope step, or max_tokens_per_micro_batch 0 for fixed micro-batches)")
+
+
+def check_pack_budget(pack_sequences: bool, max_tokens_per_micro_batch: int) -> None:
+    """Raise ValueError for packed sequences without the token budget: a packed row holds the sequences of one
+    token-budget micro-batch (forkrl/rl/microbatch.py `fill`), at most max_tokens_per_micro_batch tokens."""
+    if pack_sequences and not max_tokens_per_micro_batch:
+        raise ValueError("pack_sequences needs max_tokens_per_micro_batch > 0 (the packed row's length budget), got "
+                         "max_tokens_per_micro_batch 0 (set --max-tokens-per-micro-batch, e.g. 32768, or turn "
+                         "pack_sequences off)")

@@ -5,6 +5,7 @@
                          micro_batch_size=64, max_grad_norm=1.0)                 # one update (default)
     metrics = train_step(..., mini_batch_size=32 * G, epochs=1)                  # B/32 updates (PPO/DAPO)
     metrics = train_step(..., max_tokens_per_micro_batch=32768)                 # micro-batches by tokens
+    metrics = train_step(..., max_tokens_per_micro_batch=32768, pack_sequences=True)  # one packed row each
     metrics = train_step(..., stop=event.is_set, skipped_out=reasons)           # the guards (below)
 
 Ranks (docs/scaling.md). Under torch.distributed every rank of `group` passes the **whole** batch and its
@@ -25,7 +26,9 @@ log-probs) under FSDP2, which needs every rank in every all-gather and reduce-sc
 one rank up to float32 rounding of the summation order; counts are exact (tests/dist/test_dp_equals_one_rank.py).
 Likewise micro-batches by tokens equal fixed ones (step scope; the micro-batch scope needs fixed micro-batches:
 docs/algorithms-departures.md §6), on 1 and N ranks (tests/unit/test_microbatch.py,
-tests/dist/test_token_budget_ranks.py); only the `micro_batches` count differs.
+tests/dist/test_token_budget_ranks.py); only the `micro_batches` count differs. So do packed sequences
+(`pack_sequences`: each token-budget micro-batch one row, its sequences end to end with position ids restarting,
+no padding; forkrl/rl/forward.py `packed_rows`).
 
 What happens (algorithms.md §0-§3, §3.8):
 1. The batch is split into mini-batches of `mini_batch_size` sequences (default: one = the whole batch); the
@@ -86,12 +89,14 @@ from forkrl.rl.collectives import (
     sum_replicated_grads,
 )
 from forkrl.rl.entropy import causal_lm_logprobs_and_entropy
+from forkrl.rl.head import check_packing
 from forkrl.rl.losses import LossConfig, StepDenominator, policy_loss
 from forkrl.rl.mask import forking_token_mask, kept_denominator, masks_for_step
 from forkrl.rl.microbatch import Plan, fixed_plan, token_plan
-from forkrl.rl.options import check_budget_scope
+from forkrl.rl.options import check_budget_scope, check_pack_budget
 from forkrl.rl.step_metrics import Tally, record_micro, step_metrics
 from forkrl.rl.tis import tis_weights
+from forkrl.rl.varlen import varlen_attention
 
 __all__ = ["Batch", "StepStopped", "build_batch", "train_step"]
 
@@ -105,14 +110,16 @@ class _Stop(Exception):
 
 
 def _forward(model: torch.nn.Module, mb: Batch, temperature: float, with_entropy: bool,
-             response_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+             response_mask: Tensor | None = None, pack: bool = False) -> tuple[Tensor, Tensor | None]:
     """logp and entropy [b, L-1] of the response tokens, from the final hidden states in chunks (forkrl/rl/entropy.py:
     the logits of the micro-batch never exist as a whole), each distinct prompt computed once (forkrl/rl/forward.py)
-    except under FSDP2 or activation checkpointing. `response_mask` overrides the batch's (the join: none)."""
+    except under FSDP2 or activation checkpointing, or with `pack` the rows packed into one row without padding.
+    `response_mask` overrides the batch's (the join: none)."""
     share = not is_fsdp(model) and not getattr(model, "is_gradient_checkpointing", False)
     out = causal_lm_logprobs_and_entropy(model, mb.input_ids, mb.attention_mask,
                                          mb.response_mask if response_mask is None else response_mask,
-                                         temperature=temperature, with_entropy=with_entropy, share_prefix=share)
+                                         temperature=temperature, with_entropy=with_entropy, share_prefix=share,
+                                         pack=pack)
     if not torch.is_grad_enabled():
         reshard_root(model)  # no backward will: free the root unit's gathered parameters now
     return out
@@ -143,6 +150,7 @@ class _Ctx:
     stop: Callable[[], bool] | None
     grad_sync: GradSync
     resp: list[int]  # completion tokens per batch row
+    pack: bool  # packed sequences: each micro-batch one row (forkrl/rl/forward.py `packed_rows`)
 
     def flags(self, *local: float) -> tuple[bool, list[float]]:
         """(stop requested on any rank, the MAX over ranks of `local`): one all_reduce on N ranks."""
@@ -155,7 +163,7 @@ class _Ctx:
             raise _Stop
 
     def forward(self, mb: Batch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        return _forward(self.model, mb, self.temperature, with_entropy)
+        return _forward(self.model, mb, self.temperature, with_entropy, pack=self.pack)
 
     def join(self, grad: bool) -> Tensor | None:
         """A share without tokens under FSDP2: a forward on one row scoring no token, so this rank joins the
@@ -166,7 +174,8 @@ class _Ctx:
             return None
         one = self.batch.slice(0, 1).to(self.device)
         with torch.set_grad_enabled(grad):
-            logp, _ = _forward(self.model, one, self.temperature, False, torch.zeros_like(one.response_mask))
+            logp, _ = _forward(self.model, one, self.temperature, False, torch.zeros_like(one.response_mask),
+                               self.pack)
         return logp.sum() * 0.0 if grad else None
 
     def local(self, slot: list[list[int]]) -> _Micro:
@@ -273,7 +282,7 @@ def _update(ctx: _Ctx, k: int, slots: list[list[list[int]]], mus: list[_Micro], 
         ref_logp = None
         if ctx.ref_model is not None and cfg.kl_beta > 0:
             with torch.no_grad():
-                ref_logp, _ = _forward(ctx.ref_model, mb, ctx.temperature, False)
+                ref_logp, _ = _forward(ctx.ref_model, mb, ctx.temperature, False, pack=ctx.pack)
         old_logp = logp.detach() if old is None or old[j] is None else old[j]
         assert old_logp is not None
         is_weight = behav_logp = raw = None
@@ -364,6 +373,7 @@ def train_step(
     micro_batch_size: int,
     max_grad_norm: float,
     max_tokens_per_micro_batch: int = 0,
+    pack_sequences: bool = False,
     ref_model: torch.nn.Module | None = None,
     mini_batch_size: int | None = None,
     epochs: int = 1,
@@ -381,6 +391,8 @@ def train_step(
     (dealt to the ranks). max_tokens_per_micro_batch: T > 0 groups each mini-batch's rows by length into
     micro-batches of at most T padded tokens each (rows x longest row; a longer row alone), dealt to the ranks by
     tokens (forkrl/rl/microbatch.py), instead of micro_batch_size; with the mask on it needs mask_scope "step".
+    pack_sequences: with the budget, each micro-batch is one row of at most T tokens holding its sequences end to
+    end, no padding (forkrl/rl/forward.py `packed_rows`; UnsupportedModel for a model it is not checked on).
     mini_batch_size: sequences per update (None or >= N: one update on the whole batch);
     pass a multiple of the group size to keep groups whole. epochs: passes over the batch.
     kept_out: receives one bool CPU tensor per sequence, in batch order, over its completion tokens: True where
@@ -404,61 +416,67 @@ def train_step(
     if max_tokens_per_micro_batch < 0:
         raise ValueError(f"max_tokens_per_micro_batch must be >= 0 (0 = off), got {max_tokens_per_micro_batch}")
     check_budget_scope(max_tokens_per_micro_batch, loss_cfg.mask_on, loss_cfg.mask_scope)
+    check_pack_budget(pack_sequences, max_tokens_per_micro_batch)
+    if pack_sequences:  # before any work: a model where packing is not each sequence's own forward
+        check_packing(model.config, getattr(model.config, "_attn_implementation", None))
     if grad_sync not in ("every", "last"):
         raise ValueError(f"grad_sync must be 'every' or 'last', got {grad_sync!r}")
     device = next(model.parameters()).device
     rank, world = rank_world(group)
     resp = batch.response_mask.sum(dim=1).tolist()
     ctx = _Ctx(model, optimizer, loss_cfg, temperature, ref_model, group, rank, world, device, batch, stop, grad_sync,
-               resp)
+               resp, pack_sequences)
     mini = n if mini_batch_size is None else min(mini_batch_size, n)
-    plan = token_plan(batch.attention_mask.sum(dim=1).tolist(), resp, mini, max_tokens_per_micro_batch, world) \
-        if max_tokens_per_micro_batch else fixed_plan(resp, mini, micro_batch_size, world)
+    plan = token_plan(batch.attention_mask.sum(dim=1).tolist(), resp, mini, max_tokens_per_micro_batch, world,
+                      packed=pack_sequences) if max_tokens_per_micro_batch \
+        else fixed_plan(resp, mini, micro_batch_size, world)
     if not plan:
         raise ValueError(f"all {n} completions of the step are empty (0 tokens): nothing to train on")
-    advantages = advantages.to(device)
-    micros = [[ctx.local(slot) for slot in slots] for slots in plan]
-    acc, last = Tally(), {}
-    applied = skipped = 0
-    stopped = False
-    try:
-        old: list[list[Tensor | None]] | None = None
-        if len(plan) * epochs > 1:  # π_old: the weights before the first update, on the same micro-batches (§3.8)
-            model.train()
-            old = []
-            with torch.no_grad():
-                for mus in micros:
-                    old.append([])
-                    for mu in mus:
-                        ctx.check_stop()
-                        if mu.mb is None:
-                            ctx.join(grad=False)
-                        old[-1].append(ctx.forward(mu.mb, False)[0] if mu.mb is not None else None)
-        for _ in range(epochs):
-            for k, mus in enumerate(micros):
-                if _update(ctx, k, plan[k], mus, None if old is None else old[k], advantages, max_grad_norm, acc, last,
-                           skipped_out):
-                    applied += 1
-                else:
-                    skipped += 1
-    except _Stop:
-        # the abandoned update's half-accumulated gradient (under FSDP2 with grad_sync="last" the unsynced
-        # micro-batches' part also sits on the unsharded parameters until the next synced backward: a stopped run
-        # trains no more)
-        optimizer.zero_grad(set_to_none=True)
-        if applied == 0:
-            raise StepStopped("the stop arrived before any update of the step was applied") from None
-        stopped = True
-    out = step_metrics(acc, n_applied=applied, n_skipped=skipped, micro_batches=sum(len(b) for b in plan),
-                       tis_on=loss_cfg.tis_cap is not None, device=device, group=group)
-    if stopped:
-        out["stopped"] = 1.0
-        return out
-    if kl_pass:
+    # packed rows attend within each sequence only (sdpa models), also in activation checkpointing's recompute
+    with varlen_attention(*((model, ref_model) if pack_sequences else ())):
+        advantages = advantages.to(device)
+        micros = [[ctx.local(slot) for slot in slots] for slots in plan]
+        acc, last = Tally(), {}
+        applied = skipped = 0
+        stopped = False
         try:
-            out["approx_kl"], out["approx_kl_all"] = _approx_kl(ctx, micros, last)
-        except _Stop:  # every update is applied: only this telemetry is left out
+            old: list[list[Tensor | None]] | None = None
+            if len(plan) * epochs > 1:  # π_old: the weights before the first update, on the same micro-batches (§3.8)
+                model.train()
+                old = []
+                with torch.no_grad():
+                    for mus in micros:
+                        old.append([])
+                        for mu in mus:
+                            ctx.check_stop()
+                            if mu.mb is None:
+                                ctx.join(grad=False)
+                            old[-1].append(ctx.forward(mu.mb, False)[0] if mu.mb is not None else None)
+            for _ in range(epochs):
+                for k, mus in enumerate(micros):
+                    if _update(ctx, k, plan[k], mus, None if old is None else old[k], advantages, max_grad_norm, acc,
+                               last, skipped_out):
+                        applied += 1
+                    else:
+                        skipped += 1
+        except _Stop:
+            # the abandoned update's half-accumulated gradient (under FSDP2 with grad_sync="last" the unsynced
+            # micro-batches' part also sits on the unsharded parameters until the next synced backward: a stopped run
+            # trains no more)
+            optimizer.zero_grad(set_to_none=True)
+            if applied == 0:
+                raise StepStopped("the stop arrived before any update of the step was applied") from None
+            stopped = True
+        out = step_metrics(acc, n_applied=applied, n_skipped=skipped, micro_batches=sum(len(b) for b in plan),
+                           tis_on=loss_cfg.tis_cap is not None, device=device, group=group)
+        if stopped:
+            out["stopped"] = 1.0
             return out
-    if kept_out is not None:
-        kept_out.extend(_kept_rows(ctx, plan, micros, last))
-    return out
+        if kl_pass:
+            try:
+                out["approx_kl"], out["approx_kl_all"] = _approx_kl(ctx, micros, last)
+            except _Stop:  # every update is applied: only this telemetry is left out
+                return out
+        if kept_out is not None:
+            kept_out.extend(_kept_rows(ctx, plan, micros, last))
+        return out

@@ -17,7 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from forkrl.cli import shown
 from forkrl.data.prompts import PromptFormat, check_format_options
-from forkrl.rl.options import LossName, MaskNorm, MaskScope, check_budget_scope, check_top_frac, mask_is_on
+from forkrl.rl.options import (
+    LossName,
+    MaskNorm,
+    MaskScope,
+    check_budget_scope,
+    check_pack_budget,
+    check_top_frac,
+    mask_is_on,
+)
 
 if TYPE_CHECKING:
     from forkrl.rl.losses import LossConfig
@@ -105,6 +113,11 @@ class RunConfig(BaseModel):
     micro-batches of at most this many padded tokens (rows x longest row; a single longer sequence is one on
     its own) and dealt to the ranks balanced by tokens; the update is the same. With
     entropy_top_frac < 1 it needs --mask-scope step. 0 = off (micro_batch_size sequences); at most 2^31 - 1."""
+    pack_sequences: bool = False
+    """Packed sequences (needs max_tokens_per_micro_batch): each micro-batch is one row holding its sequences end to
+    end, at most max_tokens_per_micro_batch tokens, position ids restarting per sequence, no padding at all; the
+    update is the same. For the model types forkrl checked (forkrl/rl/head.py: the sdpa, eager and flash-attention
+    implementations); the trainer refuses others at StartRun."""
     mini_batch_prompts: int = Field(0, ge=0, le=MAX_BATCH)
     """Prompts (whole groups) per optimizer update: the rollout batch is split into mini-batches of this many
     prompts, one AdamW step each, with pi_old = the weights before the first update (DAPO and the 80/20
@@ -250,6 +263,7 @@ class RunConfig(BaseModel):
             raise ValueError(f"mini_batch_prompts ({self.mini_batch_prompts}) must be <= prompts_per_step "
                              f"({self.prompts_per_step}); 0 = all prompts in one update")
         check_budget_scope(self.max_tokens_per_micro_batch, mask_is_on(self.entropy_top_frac), self.mask_scope)
+        check_pack_budget(self.pack_sequences, self.max_tokens_per_micro_batch)
         if self.resume and not self.run_dir:
             raise ValueError("resume needs run_dir (the run to continue)")
         if self.max_new_tokens:

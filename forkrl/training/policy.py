@@ -104,6 +104,7 @@ class Policy:
         metrics = train_step(self.model, self.optimizer, batch, adv, loss_cfg, temperature=cfg.temperature,
                              micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
                              max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                             pack_sequences=cfg.pack_sequences,
                              ref_model=self.ref_model, mini_batch_size=mini, epochs=cfg.ppo_epochs, kept_out=kept,
                              skipped_out=skipped, stop=stop, kl_pass=cfg.kl_pass)
         # every rank gathers the kept flags (a collective); rank 0 alone has the problems to label them with

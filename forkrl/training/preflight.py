@@ -25,7 +25,7 @@ from forkrl.data.prompts import check_prompt_format, check_reward_format
 from forkrl.data.rewards import get_reward_fn
 from forkrl.data.tasks import DEFAULT_TASK, get_task
 from forkrl.models.tiny import default_model_dir
-from forkrl.rl.head import logits_post
+from forkrl.rl.head import check_packing, logits_post
 from forkrl.security import OutsideRoots
 from forkrl.training.config import RunConfig
 from forkrl.training.rules import RunRules, confine_run
@@ -85,7 +85,8 @@ def check_context(cfg: RunConfig) -> None:
 def check_architecture(cfg: RunConfig) -> None:
     """ValueError naming the model type when the train step cannot compute the model's own log-probs from its hidden
     states: a model type whose logits post-processing forkrl does not know (forkrl/rl/head.py), or a bad value
-    of the setting it reads (a soft-cap or scale that is not a number > 0)."""
+    of the setting it reads (a soft-cap or scale that is not a number > 0); with pack_sequences, a model type
+    not checked for packed sequences (forkrl/rl/head.py `check_packing`)."""
     path = Path(cfg.model) / "config.json"
     try:
         model_config = json.loads(path.read_text())
@@ -95,6 +96,9 @@ def check_architecture(cfg: RunConfig) -> None:
         raise ValueError(f"model: {str(path)!r} is not a JSON object")
     try:
         logits_post(model_config)
+        if cfg.pack_sequences:
+            check_packing(model_config, model_config.get("attn_implementation") or model_config.get(
+                "_attn_implementation"))
     except ValueError as e:
         raise ValueError(f"model: {e}") from None
 

@@ -7,8 +7,8 @@ batch of long-tailed lengths: 2 mini-batches of 2 groups (G = 4) x 2 epochs = 4 
 scope, TIS, for grpo, dapo (with the dual clip) and cispo, plus dapo with every entropy tied (lm_head zero: the
 kept set is decided by the tie order alone, so it checks that the top-k reads the entropies in batch-row order
 whatever the micro-batches). The reference is fixed micro-batches of FIXED rows on one rank; it is compared with
-micro-batches of at most BUDGET padded tokens, on one rank and on 2 ranks (a replicated model with a SUM
-all_reduce, and FSDP2).
+micro-batches of at most BUDGET padded tokens, and with packed sequences (one row of at most BUDGET tokens per
+micro-batch, no padding), on one rank and on 2 ranks (a replicated model with a SUM all_reduce, and FSDP2).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist/budget_worker.py OUT.json
 """
@@ -66,7 +66,12 @@ def build_inputs() -> tuple[Batch, torch.Tensor]:
     return build_batch(prompts, comps, lps, pad_id=0), torch.randn(N, generator=g)
 
 
-def run_case(name: str, budget: int, group: dist.ProcessGroup | None = None, sharded: bool = False) -> dict:
+MODES = {"ddp": (False, False), "fsdp": (True, False), "ddp_packed": (False, True), "fsdp_packed": (True, True)}
+"""The 2-rank arms: (FSDP2, packed sequences)."""
+
+
+def run_case(name: str, budget: int, group: dist.ProcessGroup | None = None, sharded: bool = False,
+             pack: bool = False) -> dict:
     """One train_step of the case: its metrics, the updated full weights and the kept flags."""
     from forkrl.training.distributed import full_state_dict, shard_model
 
@@ -78,7 +83,7 @@ def run_case(name: str, budget: int, group: dist.ProcessGroup | None = None, sha
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     kept: list[torch.Tensor] = []
     m = train_step(model, opt, batch, adv, cfg, micro_batch_size=FIXED, max_tokens_per_micro_batch=budget,
-                   kept_out=kept, group=group, **KW)
+                   pack_sequences=pack, kept_out=kept, group=group, **KW)
     w = full_state_dict(model) if sharded else {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"metrics": m, "weights": w, "kept": kept}
 
@@ -105,8 +110,8 @@ def main(out_path: str) -> None:
     results = {}
     for name in CASES:
         ref = run_case(name, 0, group=solo)
-        for mode in ("ddp", "fsdp"):
-            got = run_case(name, BUDGET, sharded=mode == "fsdp")
+        for mode, (sharded, pack) in MODES.items():
+            got = run_case(name, BUDGET, sharded=sharded, pack=pack)
             if info.rank == 0:  # FSDP2's full weights are gathered on rank 0 only
                 results.setdefault(name, {})[mode] = differences(got, ref)
         dist.barrier()

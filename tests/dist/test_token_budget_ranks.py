@@ -1,7 +1,8 @@
 """Micro-batches by tokens on 2 ranks (torchrun, gloo, CPU) equal fixed micro-batches on 1 rank: loss, metrics,
 kept tokens and updated weights, for grpo, dapo and cispo with rho = 0.2 (step scope), 2 mini-batches x 2 epochs,
-and dapo with every entropy tied; a replicated model and FSDP2. One torchrun launch runs every case
-(tests/dist/budget_worker.py).
+and dapo with every entropy tied; a replicated model and FSDP2, each with padded and with packed micro-batches
+(pack_sequences: one row per micro-batch, position ids restarting per sequence, no padding). One torchrun launch
+runs every case (tests/dist/budget_worker.py).
 
 The 2 ranks deal the rows by tokens and pack each rank's rows by length, so each rank's micro-batches, their
 number, and the padding widths differ from the 1-rank fixed micro-batches; the update does not depend on them
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from forkrl.rl.microbatch import token_plan
-from tests.dist.budget_worker import BUDGET, CASES, EXACT, LR, MINI, PLAN_ONLY, build_inputs
+from tests.dist.budget_worker import BUDGET, CASES, EXACT, LR, MINI, MODES, PLAN_ONLY, build_inputs
 
 REPO = Path(__file__).resolve().parents[2]
 REL = 1e-5
@@ -54,7 +55,7 @@ def test_the_two_rank_plan_deals_micro_batches_by_tokens_with_uneven_counts() ->
     assert any(not slot[r] for slots in plan for slot in slots for r in range(2))
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("case", list(CASES))
 def test_token_budget_on_two_ranks_equals_fixed_micro_batches_on_one(result: dict, case: str, mode: str) -> None:
     assert result["world_size"] == 2

@@ -118,8 +118,9 @@ def test_the_run_it_starts_is_the_recipe_scaled_down_and_valid(device: str, tmp_
     assert values["SIZE"] == {"cuda": "1.5b", "cpu": "tiny-1.5b"}[device]
     assert values["SYNC"] == "transfer"  # the >1 GPU layout and the dry run: vLLM's weight-transfer API
     # the recipe's algorithm, kept
-    assert (cfg.loss, cfg.entropy_top_frac, cfg.mask_scope, cfg.mask_norm) == ("dapo", 0.2, "step", "kept")
-    assert cfg.max_tokens_per_micro_batch > 0  # micro-batches by tokens, as the recipe (the step scope goes with it)
+    assert (cfg.loss, cfg.entropy_top_frac, cfg.mask_norm) == ("dapo", 0.2, "kept")
+    # packed sequences in token-budget micro-batches, whose top-k is the step's (docs/algorithms-departures.md §6)
+    assert cfg.pack_sequences and cfg.max_tokens_per_micro_batch > 0 and cfg.mask_scope == "step"
     assert (cfg.clip_low, cfg.clip_high, cfg.kl_beta, cfg.lr, cfg.weight_decay) == (0.2, 0.28, 0.0, 1e-6, 0.1)
     assert cfg.activation_checkpointing and cfg.reward == "math_verify" and cfg.tis_cap == 2.0
     # scaled down: several updates per rollout batch, whole groups each

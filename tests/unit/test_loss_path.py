@@ -58,7 +58,7 @@ def _inputs(n: int) -> tuple[Batch, torch.Tensor]:
     return build_batch(prompts, comps, lps, pad_id=0), torch.randn(n, generator=g)
 
 
-def _logits_forward(model, mb, temperature, with_entropy, response_mask=None):
+def _logits_forward(model, mb, temperature, with_entropy, response_mask=None, pack=False):
     """The path before: the model's whole [b, L, V] logits, shifted, then the fp32 log-softmax per position."""
     resp = mb.response_mask if response_mask is None else response_mask
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forkrl.rl.losses import LossConfig
-from forkrl.rl.microbatch import balance, fixed_plan, pack, padded_size, token_plan
+from forkrl.rl.microbatch import balance, fill, fixed_plan, pack, padded_size, token_plan
 from forkrl.rl.options import check_budget_scope
 from forkrl.rl.step import train_step
 from forkrl.training.config import RunConfig
@@ -88,6 +88,33 @@ def test_every_micro_batch_within_the_budget_except_a_single_longer_row(budget: 
         pack([0], lengths, 0)
 
 
+@pytest.mark.parametrize("budget", [1, 700, 4096, 32768])
+def test_packed_micro_batches_hold_at_most_the_budget_in_all_without_padding(budget: int) -> None:
+    lengths = _recipe_batch(seed=2)
+    micro = fill(range(len(lengths)), lengths, budget)
+    assert sorted(i for m in micro for i in m) == list(range(len(lengths)))  # every row once
+    for m in micro:
+        assert sum(lengths[i] for i in m) <= budget or (len(m) == 1 and lengths[m[0]] > budget), (m, budget)
+    # one packed row each: never more micro-batches than padded rows need, and at 32k nearly full ones
+    assert len(micro) <= len(pack(range(len(lengths)), lengths, budget))
+    if budget == 32768:
+        assert sum(lengths) / (len(micro) * budget) > 0.95
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be >= 1, got 0"):
+        fill([0], lengths, 0)
+    assert fill([0, 1, 2, 3], [5, 3, 3, 2], 8) == [[0, 1], [2, 3]]  # first fit: 5+3, then 3+2
+    assert fill([0, 1, 2], [9, 2, 6], 8) == [[0], [1, 2]]  # a longer row alone; the rest fill the next
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_packed_ranks_within_ten_percent_of_the_mean_on_a_long_tailed_batch(world: int) -> None:
+    lengths = _recipe_batch()
+    (slots,) = token_plan(lengths, [n - PROMPT for n in lengths], len(lengths), 32768, world, packed=True)
+    loads = [sum(lengths[i] for slot in slots for i in slot[r]) for r in range(world)]
+    mean = sum(loads) / world
+    assert max(abs(x - mean) for x in loads) <= 0.1 * mean, (loads, mean)
+    assert sorted(i for slot in slots for part in slot for i in part) == list(range(len(lengths)))
+
+
 def test_token_plan_keeps_mini_batches_and_gives_every_rank_the_same_slots() -> None:
     lengths = _recipe_batch(seed=4)[:64]
     resp = [n - PROMPT for n in lengths]
@@ -113,15 +140,19 @@ def test_fixed_plan_is_contiguous_dealt_blocks_and_leaves_out_empty_micro_batche
     assert fixed_plan([0, 0, 1, 1], mini=2, micro=2, world=1) == [[[[2, 3]]]]  # a mini-batch with none: left out
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_token_budget_equals_fixed_micro_batches(name: str) -> None:
+def test_token_budget_equals_fixed_micro_batches(name: str, pack: bool) -> None:
     batch, _ = build_inputs()
     lengths, resp = batch.attention_mask.sum(1).tolist(), batch.response_mask.sum(1).tolist()
-    plan = token_plan(lengths, resp, 8, BUDGET, 1)
+    plan = token_plan(lengths, resp, 8, BUDGET, 1, packed=pack)
     sizes = [len(slot[0]) for slots in plan for slot in slots]
     assert len(set(sizes)) > 1 and any(slot[0] != list(range(slot[0][0], slot[0][-1] + 1))
                                        for slots in plan for slot in slots)  # uneven, non-contiguous micro-batches
-    ref, got = run_case(name, 0), run_case(name, BUDGET)
+    if pack:  # several sequences share a packed row (its length the sum of theirs, within the budget)
+        assert max(sizes) > 1 and all(sum(lengths[i] for i in slot[0]) <= BUDGET or len(slot[0]) == 1
+                                      for slots in plan for slot in slots)
+    ref, got = run_case(name, 0), run_case(name, BUDGET, pack=pack)
     d = differences(got, ref)
     u = int(d["ref"]["n_updates"])
     assert u == 4 and d["ref"]["kept_tokens"] < d["ref"]["response_tokens"]  # several updates, the mask on

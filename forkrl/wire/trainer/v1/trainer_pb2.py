@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66orkrl/trainer/v1/trainer.proto\x12\x11\x66orkrl.trainer.v1\"\xc7\x0b\n\tRunConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x03 \x01(\t\x12\x0e\n\x06reward\x18\x04 \x01(\t\x12%\n\x04loss\x18\x05 \x01(\x0e\x32\x17.forkrl.trainer.v1.Loss\x12\x1d\n\x10\x65ntropy_top_frac\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x30\n\nmask_scope\x18\x07 \x01(\x0e\x32\x1c.forkrl.trainer.v1.MaskScope\x12.\n\tmask_norm\x18\x08 \x01(\x0e\x32\x1b.forkrl.trainer.v1.MaskNorm\x12\x11\n\tnum_steps\x18\t \x01(\x05\x12\x18\n\x10prompts_per_step\x18\n \x01(\x05\x12\x12\n\ngroup_size\x18\x0b \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x0c \x01(\x05\x12\x13\n\x0btemperature\x18\r \x01(\x01\x12\n\n\x02lr\x18\x0e \x01(\x01\x12\x15\n\x08\x63lip_low\x18\x0f \x01(\x01H\x01\x88\x01\x01\x12\x16\n\tclip_high\x18\x10 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x10micro_batch_size\x18\x11 \x01(\x05\x12\x12\n\nsave_every\x18\x12 \x01(\x05\x12\x18\n\x10keep_checkpoints\x18, \x01(\x05\x12\x0f\n\x07run_dir\x18\x13 \x01(\t\x12\x0e\n\x06resume\x18\x14 \x01(\x08\x12\x0c\n\x04seed\x18\x15 \x01(\x03\x12\x19\n\x11rollout_addresses\x18\x16 \x03(\t\x12\x0f\n\x07kl_beta\x18\x17 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x18 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x19 \x01(\x01\x12\x14\n\x0cwarmup_steps\x18\x1a \x01(\x05\x12\x18\n\x10\x64ynamic_sampling\x18\x1b \x01(\x08\x12\x17\n\x0fmax_gen_batches\x18\x1c \x01(\x05\x12\x18\n\x0b\x64ual_clip_c\x18\x1d \x01(\x01H\x03\x88\x01\x01\x12\x1d\n\x10\x63ispo_max_weight\x18\x1e \x01(\x01H\x04\x88\x01\x01\x12\x32\n\x0bweight_sync\x18\x1f \x01(\x0e\x32\x1d.forkrl.trainer.v1.WeightSync\x12\x12\n\neval_every\x18  \x01(\x05\x12\x19\n\x0c\x65val_prompts\x18! \x01(\x05H\x05\x88\x01\x01\x12\x17\n\nadam_beta1\x18\" \x01(\x01H\x06\x88\x01\x01\x12\x17\n\nadam_beta2\x18# \x01(\x01H\x07\x88\x01\x01\x12\x1a\n\x12overlong_cache_len\x18$ \x01(\x05\x12\x1a\n\x12mini_batch_prompts\x18% \x01(\x05\x12\x12\n\nppo_epochs\x18& \x01(\x05\x12\x14\n\x07tis_cap\x18\' \x01(\x01H\x08\x88\x01\x01\x12\x15\n\rmax_staleness\x18( \x01(\x05\x12\x1a\n\rmax_bad_steps\x18) \x01(\x05H\t\x88\x01\x01\x12 \n\x18\x61\x63tivation_checkpointing\x18* \x01(\x08\x12\x0f\n\x07kl_pass\x18+ \x01(\x08\x12\"\n\x1amax_tokens_per_micro_batch\x18- \x01(\x05\x12\x36\n\rprompt_format\x18< \x01(\x0e\x32\x1f.forkrl.trainer.v1.PromptFormat\x12\x15\n\rsystem_prompt\x18= \x01(\t\x12\x14\n\x0cprompt_field\x18> \x01(\t\x12\x14\n\x0c\x61nswer_field\x18? \x01(\t\x12\x14\n\x0c\x65val_dataset\x18@ \x03(\t\x12\x0e\n\x06log_to\x18\x41 \x03(\t\x12\x15\n\rwandb_project\x18\x42 \x01(\tB\x13\n\x11_entropy_top_fracB\x0b\n\t_clip_lowB\x0c\n\n_clip_highB\x0e\n\x0c_dual_clip_cB\x13\n\x11_cispo_max_weightB\x0f\n\r_eval_promptsB\r\n\x0b_adam_beta1B\r\n\x0b_adam_beta2B\n\n\x08_tis_capB\x10\n\x0e_max_bad_steps\"?\n\x0fStartRunRequest\x12,\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1c.forkrl.trainer.v1.RunConfig\"G\n\x10StartRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07run_dir\x18\x02 \x01(\t\x12\x12\n\nstart_step\x18\x03 \x01(\x05\"\x86\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12:\n\x06values\x18\x02 \x03(\x0b\x32*.forkrl.trainer.v1.StepMetrics.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xf7\x01\n\x08RunEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.forkrl.trainer.v1.EventKind\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12*\n\x05state\x18\x04 \x01(\x0e\x32\x1b.forkrl.trainer.v1.RunState\x12\x37\n\x06values\x18\x05 \x03(\x0b\x32\'.forkrl.trainer.v1.RunEvent.ValuesEntry\x12\x0c\n\x04path\x18\x06 \x01(\t\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"{\n\x10WatchRunResponse\x12\x31\n\x07metrics\x18\x01 \x01(\x0b\x32\x1e.forkrl.trainer.v1.StepMetricsH\x00\x12,\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x1b.forkrl.trainer.v1.RunEventH\x00\x42\x06\n\x04item\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xf1\x01\n\x0eGetRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.forkrl.trainer.v1.RunState\x12\x0c\n\x04step\x18\x03 \x01(\x05\x12\x11\n\tnum_steps\x18\x04 \x01(\x05\x12,\n\x06\x63onfig\x18\x05 \x01(\x0b\x32\x1c.forkrl.trainer.v1.RunConfig\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0f\n\x07run_dir\x18\x07 \x01(\t\x12\x34\n\x0clast_metrics\x18\x08 \x01(\x0b\x32\x1e.forkrl.trainer.v1.StepMetrics\" \n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"=\n\x0fStopRunResponse\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.forkrl.trainer.v1.RunState*\x8e\x01\n\x04Loss\x12\x14\n\x10LOSS_UNSPECIFIED\x10\x00\x12\r\n\tLOSS_GRPO\x10\x01\x12\x10\n\x0cLOSS_DR_GRPO\x10\x02\x12\r\n\tLOSS_DAPO\x10\x03\x12\x12\n\x0eLOSS_REINFORCE\x10\x04\x12\r\n\tLOSS_RLOO\x10\x05\x12\r\n\tLOSS_GSPO\x10\x06\x12\x0e\n\nLOSS_CISPO\x10\x07*W\n\tMaskScope\x12\x1a\n\x16MASK_SCOPE_UNSPECIFIED\x10\x00\x12\x19\n\x15MASK_SCOPE_MICROBATCH\x10\x01\x12\x13\n\x0fMASK_SCOPE_STEP\x10\x02*L\n\x08MaskNorm\x12\x19\n\x15MASK_NORM_UNSPECIFIED\x10\x00\x12\x12\n\x0eMASK_NORM_KEPT\x10\x01\x12\x11\n\rMASK_NORM_ALL\x10\x02*\x9c\x01\n\nWeightSync\x12\x1b\n\x17WEIGHT_SYNC_UNSPECIFIED\x10\x00\x12\x16\n\x12WEIGHT_SYNC_STREAM\x10\x01\x12\x14\n\x10WEIGHT_SYNC_PATH\x10\x02\x12\x14\n\x10WEIGHT_SYNC_AUTO\x10\x03\x12\x13\n\x0fWEIGHT_SYNC_SHM\x10\x04\x12\x18\n\x14WEIGHT_SYNC_TRANSFER\x10\x05*\xca\x01\n\x0cPromptFormat\x12\x1d\n\x19PROMPT_FORMAT_UNSPECIFIED\x10\x00\x12\x15\n\x11PROMPT_FORMAT_RAW\x10\x01\x12\x16\n\x12PROMPT_FORMAT_CHAT\x10\x02\x12\x16\n\x12PROMPT_FORMAT_DAPO\x10\x03\x12\x1c\n\x18PROMPT_FORMAT_DAPO_PLAIN\x10\x04\x12\x17\n\x13PROMPT_FORMAT_BOXED\x10\x05\x12\x1d\n\x19PROMPT_FORMAT_BOXED_PLAIN\x10\x06*\xb2\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATE_STARTING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_STOPPING\x10\x03\x12\x17\n\x13RUN_STATE_SUCCEEDED\x10\x04\x12\x15\n\x11RUN_STATE_STOPPED\x10\x05\x12\x14\n\x10RUN_STATE_FAILED\x10\x06*\x9c\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45VENT_KIND_STARTED\x10\x01\x12\x19\n\x15\x45VENT_KIND_CHECKPOINT\x10\x02\x12\x13\n\x0f\x45VENT_KIND_EVAL\x10\x03\x12\x12\n\x0e\x45VENT_KIND_LOG\x10\x04\x12\x17\n\x13\x45VENT_KIND_FINISHED\x10\x05\x32\xdd\x02\n\x0eTrainerService\x12S\n\x08StartRun\x12\".forkrl.trainer.v1.StartRunRequest\x1a#.forkrl.trainer.v1.StartRunResponse\x12U\n\x08WatchRun\x12\".forkrl.trainer.v1.WatchRunRequest\x1a#.forkrl.trainer.v1.WatchRunResponse0\x01\x12M\n\x06GetRun\x12 .forkrl.trainer.v1.GetRunRequest\x1a!.forkrl.trainer.v1.GetRunResponse\x12P\n\x07StopRun\x12!.forkrl.trainer.v1.StopRunRequest\x1a\".forkrl.trainer.v1.StopRunResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66orkrl/trainer/v1/trainer.proto\x12\x11\x66orkrl.trainer.v1\"\xdf\x0b\n\tRunConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x03 \x01(\t\x12\x0e\n\x06reward\x18\x04 \x01(\t\x12%\n\x04loss\x18\x05 \x01(\x0e\x32\x17.forkrl.trainer.v1.Loss\x12\x1d\n\x10\x65ntropy_top_frac\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x30\n\nmask_scope\x18\x07 \x01(\x0e\x32\x1c.forkrl.trainer.v1.MaskScope\x12.\n\tmask_norm\x18\x08 \x01(\x0e\x32\x1b.forkrl.trainer.v1.MaskNorm\x12\x11\n\tnum_steps\x18\t \x01(\x05\x12\x18\n\x10prompts_per_step\x18\n \x01(\x05\x12\x12\n\ngroup_size\x18\x0b \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x0c \x01(\x05\x12\x13\n\x0btemperature\x18\r \x01(\x01\x12\n\n\x02lr\x18\x0e \x01(\x01\x12\x15\n\x08\x63lip_low\x18\x0f \x01(\x01H\x01\x88\x01\x01\x12\x16\n\tclip_high\x18\x10 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x10micro_batch_size\x18\x11 \x01(\x05\x12\x12\n\nsave_every\x18\x12 \x01(\x05\x12\x18\n\x10keep_checkpoints\x18, \x01(\x05\x12\x0f\n\x07run_dir\x18\x13 \x01(\t\x12\x0e\n\x06resume\x18\x14 \x01(\x08\x12\x0c\n\x04seed\x18\x15 \x01(\x03\x12\x19\n\x11rollout_addresses\x18\x16 \x03(\t\x12\x0f\n\x07kl_beta\x18\x17 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x18 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x19 \x01(\x01\x12\x14\n\x0cwarmup_steps\x18\x1a \x01(\x05\x12\x18\n\x10\x64ynamic_sampling\x18\x1b \x01(\x08\x12\x17\n\x0fmax_gen_batches\x18\x1c \x01(\x05\x12\x18\n\x0b\x64ual_clip_c\x18\x1d \x01(\x01H\x03\x88\x01\x01\x12\x1d\n\x10\x63ispo_max_weight\x18\x1e \x01(\x01H\x04\x88\x01\x01\x12\x32\n\x0bweight_sync\x18\x1f \x01(\x0e\x32\x1d.forkrl.trainer.v1.WeightSync\x12\x12\n\neval_every\x18  \x01(\x05\x12\x19\n\x0c\x65val_prompts\x18! \x01(\x05H\x05\x88\x01\x01\x12\x17\n\nadam_beta1\x18\" \x01(\x01H\x06\x88\x01\x01\x12\x17\n\nadam_beta2\x18# \x01(\x01H\x07\x88\x01\x01\x12\x1a\n\x12overlong_cache_len\x18$ \x01(\x05\x12\x1a\n\x12mini_batch_prompts\x18% \x01(\x05\x12\x12\n\nppo_epochs\x18& \x01(\x05\x12\x14\n\x07tis_cap\x18\' \x01(\x01H\x08\x88\x01\x01\x12\x15\n\rmax_staleness\x18( \x01(\x05\x12\x1a\n\rmax_bad_steps\x18) \x01(\x05H\t\x88\x01\x01\x12 \n\x18\x61\x63tivation_checkpointing\x18* \x01(\x08\x12\x0f\n\x07kl_pass\x18+ \x01(\x08\x12\"\n\x1amax_tokens_per_micro_batch\x18- \x01(\x05\x12\x16\n\x0epack_sequences\x18. \x01(\x08\x12\x36\n\rprompt_format\x18< \x01(\x0e\x32\x1f.forkrl.trainer.v1.PromptFormat\x12\x15\n\rsystem_prompt\x18= \x01(\t\x12\x14\n\x0cprompt_field\x18> \x01(\t\x12\x14\n\x0c\x61nswer_field\x18? \x01(\t\x12\x14\n\x0c\x65val_dataset\x18@ \x03(\t\x12\x0e\n\x06log_to\x18\x41 \x03(\t\x12\x15\n\rwandb_project\x18\x42 \x01(\tB\x13\n\x11_entropy_top_fracB\x0b\n\t_clip_lowB\x0c\n\n_clip_highB\x0e\n\x0c_dual_clip_cB\x13\n\x11_cispo_max_weightB\x0f\n\r_eval_promptsB\r\n\x0b_adam_beta1B\r\n\x0b_adam_beta2B\n\n\x08_tis_capB\x10\n\x0e_max_bad_steps\"?\n\x0fStartRunRequest\x12,\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1c.forkrl.trainer.v1.RunConfig\"G\n\x10StartRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07run_dir\x18\x02 \x01(\t\x12\x12\n\nstart_step\x18\x03 \x01(\x05\"\x86\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12:\n\x06values\x18\x02 \x03(\x0b\x32*.forkrl.trainer.v1.StepMetrics.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xf7\x01\n\x08RunEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.forkrl.trainer.v1.EventKind\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12*\n\x05state\x18\x04 \x01(\x0e\x32\x1b.forkrl.trainer.v1.RunState\x12\x37\n\x06values\x18\x05 \x03(\x0b\x32\'.forkrl.trainer.v1.RunEvent.ValuesEntry\x12\x0c\n\x04path\x18\x06 \x01(\t\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"{\n\x10WatchRunResponse\x12\x31\n\x07metrics\x18\x01 \x01(\x0b\x32\x1e.forkrl.trainer.v1.StepMetricsH\x00\x12,\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x1b.forkrl.trainer.v1.RunEventH\x00\x42\x06\n\x04item\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xf1\x01\n\x0eGetRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.forkrl.trainer.v1.RunState\x12\x0c\n\x04step\x18\x03 \x01(\x05\x12\x11\n\tnum_steps\x18\x04 \x01(\x05\x12,\n\x06\x63onfig\x18\x05 \x01(\x0b\x32\x1c.forkrl.trainer.v1.RunConfig\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0f\n\x07run_dir\x18\x07 \x01(\t\x12\x34\n\x0clast_metrics\x18\x08 \x01(\x0b\x32\x1e.forkrl.trainer.v1.StepMetrics\" \n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"=\n\x0fStopRunResponse\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.forkrl.trainer.v1.RunState*\x8e\x01\n\x04Loss\x12\x14\n\x10LOSS_UNSPECIFIED\x10\x00\x12\r\n\tLOSS_GRPO\x10\x01\x12\x10\n\x0cLOSS_DR_GRPO\x10\x02\x12\r\n\tLOSS_DAPO\x10\x03\x12\x12\n\x0eLOSS_REINFORCE\x10\x04\x12\r\n\tLOSS_RLOO\x10\x05\x12\r\n\tLOSS_GSPO\x10\x06\x12\x0e\n\nLOSS_CISPO\x10\x07*W\n\tMaskScope\x12\x1a\n\x16MASK_SCOPE_UNSPECIFIED\x10\x00\x12\x19\n\x15MASK_SCOPE_MICROBATCH\x10\x01\x12\x13\n\x0fMASK_SCOPE_STEP\x10\x02*L\n\x08MaskNorm\x12\x19\n\x15MASK_NORM_UNSPECIFIED\x10\x00\x12\x12\n\x0eMASK_NORM_KEPT\x10\x01\x12\x11\n\rMASK_NORM_ALL\x10\x02*\x9c\x01\n\nWeightSync\x12\x1b\n\x17WEIGHT_SYNC_UNSPECIFIED\x10\x00\x12\x16\n\x12WEIGHT_SYNC_STREAM\x10\x01\x12\x14\n\x10WEIGHT_SYNC_PATH\x10\x02\x12\x14\n\x10WEIGHT_SYNC_AUTO\x10\x03\x12\x13\n\x0fWEIGHT_SYNC_SHM\x10\x04\x12\x18\n\x14WEIGHT_SYNC_TRANSFER\x10\x05*\xca\x01\n\x0cPromptFormat\x12\x1d\n\x19PROMPT_FORMAT_UNSPECIFIED\x10\x00\x12\x15\n\x11PROMPT_FORMAT_RAW\x10\x01\x12\x16\n\x12PROMPT_FORMAT_CHAT\x10\x02\x12\x16\n\x12PROMPT_FORMAT_DAPO\x10\x03\x12\x1c\n\x18PROMPT_FORMAT_DAPO_PLAIN\x10\x04\x12\x17\n\x13PROMPT_FORMAT_BOXED\x10\x05\x12\x1d\n\x19PROMPT_FORMAT_BOXED_PLAIN\x10\x06*\xb2\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATE_STARTING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_STOPPING\x10\x03\x12\x17\n\x13RUN_STATE_SUCCEEDED\x10\x04\x12\x15\n\x11RUN_STATE_STOPPED\x10\x05\x12\x14\n\x10RUN_STATE_FAILED\x10\x06*\x9c\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45VENT_KIND_STARTED\x10\x01\x12\x19\n\x15\x45VENT_KIND_CHECKPOINT\x10\x02\x12\x13\n\x0f\x45VENT_KIND_EVAL\x10\x03\x12\x12\n\x0e\x45VENT_KIND_LOG\x10\x04\x12\x17\n\x13\x45VENT_KIND_FINISHED\x10\x05\x32\xdd\x02\n\x0eTrainerService\x12S\n\x08StartRun\x12\".forkrl.trainer.v1.StartRunRequest\x1a#.forkrl.trainer.v1.StartRunResponse\x12U\n\x08WatchRun\x12\".forkrl.trainer.v1.WatchRunRequest\x1a#.forkrl.trainer.v1.WatchRunResponse0\x01\x12M\n\x06GetRun\x12 .forkrl.trainer.v1.GetRunRequest\x1a!.forkrl.trainer.v1.GetRunResponse\x12P\n\x07StopRun\x12!.forkrl.trainer.v1.StopRunRequest\x1a\".forkrl.trainer.v1.StopRunResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,46 +35,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPMETRICS_VALUESENTRY']._serialized_options = b'8\001'
   _globals['_RUNEVENT_VALUESENTRY']._loaded_options = None
   _globals['_RUNEVENT_VALUESENTRY']._serialized_options = b'8\001'
-  _globals['_LOSS']._serialized_start=2596
-  _globals['_LOSS']._serialized_end=2738
-  _globals['_MASKSCOPE']._serialized_start=2740
-  _globals['_MASKSCOPE']._serialized_end=2827
-  _globals['_MASKNORM']._serialized_start=2829
-  _globals['_MASKNORM']._serialized_end=2905
-  _globals['_WEIGHTSYNC']._serialized_start=2908
-  _globals['_WEIGHTSYNC']._serialized_end=3064
-  _globals['_PROMPTFORMAT']._serialized_start=3067
-  _globals['_PROMPTFORMAT']._serialized_end=3269
-  _globals['_RUNSTATE']._serialized_start=3272
-  _globals['_RUNSTATE']._serialized_end=3450
-  _globals['_EVENTKIND']._serialized_start=3453
-  _globals['_EVENTKIND']._serialized_end=3609
+  _globals['_LOSS']._serialized_start=2620
+  _globals['_LOSS']._serialized_end=2762
+  _globals['_MASKSCOPE']._serialized_start=2764
+  _globals['_MASKSCOPE']._serialized_end=2851
+  _globals['_MASKNORM']._serialized_start=2853
+  _globals['_MASKNORM']._serialized_end=2929
+  _globals['_WEIGHTSYNC']._serialized_start=2932
+  _globals['_WEIGHTSYNC']._serialized_end=3088
+  _globals['_PROMPTFORMAT']._serialized_start=3091
+  _globals['_PROMPTFORMAT']._serialized_end=3293
+  _globals['_RUNSTATE']._serialized_start=3296
+  _globals['_RUNSTATE']._serialized_end=3474
+  _globals['_EVENTKIND']._serialized_start=3477
+  _globals['_EVENTKIND']._serialized_end=3633
   _globals['_RUNCONFIG']._serialized_start=55
-  _globals['_RUNCONFIG']._serialized_end=1534
-  _globals['_STARTRUNREQUEST']._serialized_start=1536
-  _globals['_STARTRUNREQUEST']._serialized_end=1599
-  _globals['_STARTRUNRESPONSE']._serialized_start=1601
-  _globals['_STARTRUNRESPONSE']._serialized_end=1672
-  _globals['_STEPMETRICS']._serialized_start=1675
-  _globals['_STEPMETRICS']._serialized_end=1809
-  _globals['_STEPMETRICS_VALUESENTRY']._serialized_start=1764
-  _globals['_STEPMETRICS_VALUESENTRY']._serialized_end=1809
-  _globals['_RUNEVENT']._serialized_start=1812
-  _globals['_RUNEVENT']._serialized_end=2059
-  _globals['_RUNEVENT_VALUESENTRY']._serialized_start=1764
-  _globals['_RUNEVENT_VALUESENTRY']._serialized_end=1809
-  _globals['_WATCHRUNREQUEST']._serialized_start=2061
-  _globals['_WATCHRUNREQUEST']._serialized_end=2094
-  _globals['_WATCHRUNRESPONSE']._serialized_start=2096
-  _globals['_WATCHRUNRESPONSE']._serialized_end=2219
-  _globals['_GETRUNREQUEST']._serialized_start=2221
-  _globals['_GETRUNREQUEST']._serialized_end=2252
-  _globals['_GETRUNRESPONSE']._serialized_start=2255
-  _globals['_GETRUNRESPONSE']._serialized_end=2496
-  _globals['_STOPRUNREQUEST']._serialized_start=2498
-  _globals['_STOPRUNREQUEST']._serialized_end=2530
-  _globals['_STOPRUNRESPONSE']._serialized_start=2532
-  _globals['_STOPRUNRESPONSE']._serialized_end=2593
-  _globals['_TRAINERSERVICE']._serialized_start=3612
-  _globals['_TRAINERSERVICE']._serialized_end=3961
+  _globals['_RUNCONFIG']._serialized_end=1558
+  _globals['_STARTRUNREQUEST']._serialized_start=1560
+  _globals['_STARTRUNREQUEST']._serialized_end=1623
+  _globals['_STARTRUNRESPONSE']._serialized_start=1625
+  _globals['_STARTRUNRESPONSE']._serialized_end=1696
+  _globals['_STEPMETRICS']._serialized_start=1699
+  _globals['_STEPMETRICS']._serialized_end=1833
+  _globals['_STEPMETRICS_VALUESENTRY']._serialized_start=1788
+  _globals['_STEPMETRICS_VALUESENTRY']._serialized_end=1833
+  _globals['_RUNEVENT']._serialized_start=1836
+  _globals['_RUNEVENT']._serialized_end=2083
+  _globals['_RUNEVENT_VALUESENTRY']._serialized_start=1788
+  _globals['_RUNEVENT_VALUESENTRY']._serialized_end=1833
+  _globals['_WATCHRUNREQUEST']._serialized_start=2085
+  _globals['_WATCHRUNREQUEST']._serialized_end=2118
+  _globals['_WATCHRUNRESPONSE']._serialized_start=2120
+  _globals['_WATCHRUNRESPONSE']._serialized_end=2243
+  _globals['_GETRUNREQUEST']._serialized_start=2245
+  _globals['_GETRUNREQUEST']._serialized_end=2276
+  _globals['_GETRUNRESPONSE']._serialized_start=2279
+  _globals['_GETRUNRESPONSE']._serialized_end=2520
+  _globals['_STOPRUNREQUEST']._serialized_start=2522
+  _globals['_STOPRUNREQUEST']._serialized_end=2554
+  _globals['_STOPRUNRESPONSE']._serialized_start=2556
+  _globals['_STOPRUNRESPONSE']._serialized_end=2617
+  _globals['_TRAINERSERVICE']._serialized_start=3636
+  _globals['_TRAINERSERVICE']._serialized_end=3985
 # @@protoc_insertion_point(module_scope)
