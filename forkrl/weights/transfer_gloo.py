@@ -69,6 +69,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from forkrl.weights.finite import is_finite
+from forkrl.weights.guard import NonFiniteWeights, served_dtype
 from forkrl.weights.safetensors import DTYPES
 
 BACKEND = "gloo"
@@ -78,10 +79,6 @@ Spec = tuple[str, str, list[int]]  # one tensor of a chunk: name, dtype name, sh
 
 
 SECRET_BYTES = 32
-
-
-class NonFiniteWeights(ValueError):
-    """A received tensor holds a NaN or inf: the chunk is refused (the message names the tensor)."""
 
 
 class TamperedWeights(ValueError):
@@ -243,6 +240,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
+    checks_finite = True  # before loading any of a chunk (forkrl/weights/guard.py leaves it alone)
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -283,8 +281,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         that fails a check is received whole and none of it is loaded."""
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized (init_weight_transfer_engine first)")
-        if not update_info.discard and not update_info.digest:
-            raise TamperedWeights("the chunk carries no digest: refused (the trainer sends one with every chunk)")
         specs = update_info.specs()
         if self._ahead is not None:
             announced, tensors, works = self._ahead
@@ -301,13 +297,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             work.wait()
         if update_info.discard:
             return
+        if not update_info.digest:
+            raise TamperedWeights("the chunk carries no digest (the trainer sends one with every chunk): refused, "
+                                  "none of it was loaded")
         if not hmac.compare_digest(chunk_digest(self.secret, specs, tensors), update_info.digest):
             raise TamperedWeights(f"the chunk of {len(specs)} tensor(s) from {specs[0][0]!r} does not match the "
                                   "digest the trainer sent (altered or injected on the weight channel); none of it "
                                   "was loaded")
-        served = getattr(self.model_config, "dtype", None)
+        served = served_dtype(self)
         for (name, _, _), t in zip(specs, tensors, strict=True):
-            if not is_finite(t, served if isinstance(served, torch.dtype) else None):
+            if not is_finite(t, served):
                 raise NonFiniteWeights(f"tensor {name!r} holds NaN or inf values (in its dtype or the served "
                                        f"{served}); none of the chunk was loaded")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
