@@ -845,7 +845,8 @@ def test_an_abandoned_weight_transfer_session_ends_and_generation_resumes(model_
             c.start_weight_update("run-a", 1)
             wait_until(lambda: ("abort", None) in backend.transfer_calls, 120, "the empty session to end")
             wait_until(lambda: c.health() == SERVING, 120, "SERVING again")  # nothing reached the engine
-            c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1, secret=SECRET)  # the session's end left the group
+            # the session's end left the group
+            c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1, secret=SECRET)
             c.start_weight_update("run-a", 1)
             c.update_weight_chunk("run-a", 1, ["norm.weight"], ["float32"], [[8]])
             wait_until(lambda: backend.transfer_calls.count(("abort", None)) == 2, 120, "the abandoned session to end")
