@@ -30,16 +30,16 @@ next push.
 
 Authentication. The store and the pair sockets accept whoever reaches them (TCPStore and gloo have no credentials),
 so nothing received on them is trusted on its own. The trainer draws a secret per group (`secrets`, 32 bytes) and
-hands it to the workers only over the authenticated gRPC call (InitWeightTransfer: token + TLS). The rendezvous
-keys live under a prefix derived from it (an intruder cannot pre-seed or race the keys of a group it cannot name;
-a store client can still list keys once written: the prefix is a one-way function of the secret, never the
-secret). Each chunk's update info carries `digest`: keyed BLAKE2b (the secret) over the chunk's names, dtypes,
-shapes and tensor bytes, computed by the sender as it broadcasts, sent over gRPC. A worker receives the whole
-chunk, compares its own digest of the received bytes (constant-time) and loads nothing of a chunk that differs
-(`TamperedWeights`): a tensor altered or injected on the socket never reaches the model. Not provided: secrecy
-(the tensor bytes travel in clear) and availability (whoever reaches the ports can break a group formation or a
-broadcast: the push fails). The store listens on the trainer's given address only, the pair sockets on the
-address that routes to it.
+hands it to the workers only over the authenticated gRPC call (InitWeightTransfer: token + TLS). The rendezvous keys
+live under a prefix derived from it (an intruder cannot pre-seed or race the keys of a group it cannot name; a store
+client can still list keys once written: the prefix is a one-way function of the secret, never the secret). Each
+chunk's update info carries `digest`: HMAC-SHA256 (the secret) of the chunk's names, dtypes, shapes and tensor
+bytes, computed by the sender as it broadcasts, sent over gRPC. A worker hashes each tensor as it arrives (a thread
+beside the loading of the chunk before), compares (constant-time) and loads nothing of a chunk that differs
+(`TamperedWeights`): a tensor altered or injected on the socket never reaches the model. Not provided: secrecy (the
+tensor bytes travel in clear) and availability (whoever reaches the ports can break a group formation or a
+broadcast: the push fails). The store listens on the trainer's given address only, the pair sockets on the address
+that routes to it.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import secrets
 import socket
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -98,17 +98,48 @@ def _secret(hex_secret: str) -> bytes:
 
 def store_prefix(hex_secret: str) -> str:
     """The rendezvous keys' prefix: derived from the secret one way (a store client may list it, never invert it)."""
-    name = hashlib.blake2b(_secret(hex_secret), digest_size=16, person=b"forkrl-store").hexdigest()
+    name = hmac.new(_secret(hex_secret), b"forkrl-store", hashlib.sha256).hexdigest()[:32]
     return f"forkrl-weights/{name}"
 
 
+def _chunk_mac(hex_secret: str, specs: Sequence[Spec]) -> Any:
+    mac = hmac.new(_secret(hex_secret), b"forkrl-chunk\0", hashlib.sha256)
+    mac.update(json.dumps([list(s) for s in specs]).encode())
+    return mac
+
+
+def _bytes(t: torch.Tensor) -> Any:
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
 def chunk_digest(hex_secret: str, specs: Sequence[Spec], tensors: Sequence[torch.Tensor]) -> str:
-    """Keyed BLAKE2b of a chunk: its specs (name, dtype, shape) and each tensor's bytes, in order (hex)."""
-    h = hashlib.blake2b(key=_secret(hex_secret), digest_size=32, person=b"forkrl-chunk")
-    h.update(json.dumps([list(s) for s in specs]).encode())
+    """HMAC-SHA256 (the group's secret) of a chunk: its specs (name, dtype, shape) and each tensor's bytes, in
+    order (hex)."""
+    mac = _chunk_mac(hex_secret, specs)
     for t in tensors:
-        h.update(t.detach().reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
+        mac.update(_bytes(t))
+    return mac.hexdigest()
+
+
+def _digest_behind(hex_secret: str, specs: Sequence[Spec], tensors: Sequence[torch.Tensor],
+                   works: Sequence[Any]) -> Future[str]:
+    """`chunk_digest` of tensors still being received, each hashed as its receive completes, on a thread of its own
+    (hashlib releases the GIL: it runs beside the loading of the chunk before; a daemon, so a receive that never
+    completes holds no exit)."""
+    done: Future[str] = Future()
+
+    def run() -> None:
+        try:
+            mac = _chunk_mac(hex_secret, specs)
+            for t, work in zip(tensors, works, strict=True):
+                work.wait()
+                mac.update(_bytes(t))
+            done.set_result(mac.hexdigest())
+        except BaseException as e:  # noqa: BLE001 - the receive's error, raised where the chunk is taken
+            done.set_exception(e)
+
+    threading.Thread(target=run, name="forkrl-gloo-digest", daemon=True).start()
+    return done
 
 
 def local_address(master_address: str, master_port: int) -> str:
@@ -247,7 +278,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.group: Any = None
         self.secret = ""  # the group's (init info): the chunks' digests are keyed with it
         self.in_update = False  # between start_weight_update and finish (or abort)
-        self._ahead: tuple[list[Spec], list[torch.Tensor], list[Any]] | None = None  # the next chunk, posted
+        self._ahead: tuple[list[Spec], list[torch.Tensor], Future[str]] | None = None  # the next chunk, posted
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()  # a new trainer connection replaces the last one
@@ -270,9 +301,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # broadcast this chunk needs is waited for here, so there is nothing to synchronize
         self.receive_weights(self.parse_update_info(update_info))
 
-    def _post_all(self, specs: list[Spec]) -> tuple[list[torch.Tensor], list[Any]]:
+    def _post_all(self, specs: list[Spec]) -> tuple[list[torch.Tensor], Future[str]]:
+        """Post the receives of a chunk; its tensors and the digest of what they receive (hashed as they arrive)."""
         tensors = [torch.empty(shape, dtype=DTYPES[dtype]) for _, dtype, shape in specs]
-        return tensors, [_post(self.group, t) for t in tensors]
+        return tensors, _digest_behind(self.secret, specs, tensors, [_post(self.group, t) for t in tensors])
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         """Receive the chunk's tensors (posted by the previous chunk when it announced this one), while the next
@@ -283,24 +315,23 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             raise RuntimeError("gloo weight transfer is not initialized (init_weight_transfer_engine first)")
         specs = update_info.specs()
         if self._ahead is not None:
-            announced, tensors, works = self._ahead
+            announced, tensors, received = self._ahead
             self._ahead = None
             if announced != specs:
                 self.shutdown()  # receives are posted for other tensors: the group is out of step
                 raise RuntimeError("the chunk is not the one the previous chunk announced; the group is dropped")
         else:
-            tensors, works = self._post_all(specs)
+            tensors, received = self._post_all(specs)
         if update_info.next and not update_info.discard:
             following = update_info.next_specs()
             self._ahead = (following, *self._post_all(following))
-        for work in works:
-            work.wait()
+        digest = received.result()  # every receive of the chunk completed
         if update_info.discard:
             return
         if not update_info.digest:
             raise TamperedWeights("the chunk carries no digest (the trainer sends one with every chunk): refused, "
                                   "none of it was loaded")
-        if not hmac.compare_digest(chunk_digest(self.secret, specs, tensors), update_info.digest):
+        if not hmac.compare_digest(digest, update_info.digest):
             raise TamperedWeights(f"the chunk of {len(specs)} tensor(s) from {specs[0][0]!r} does not match the "
                                   "digest the trainer sent (altered or injected on the weight channel); none of it "
                                   "was loaded")
