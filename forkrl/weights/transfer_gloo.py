@@ -33,7 +33,7 @@ so nothing received on them is trusted on its own. The trainer draws a secret pe
 hands it to the workers only over the authenticated gRPC call (InitWeightTransfer: token + TLS). The rendezvous keys
 live under a prefix derived from it (an intruder cannot pre-seed or race the keys of a group it cannot name; a store
 client can still list keys once written: the prefix is a one-way function of the secret, never the secret). Each
-chunk's update info carries `digest`: HMAC-SHA256 (the secret) of the chunk's names, dtypes, shapes and tensor
+chunk's update info carries `digest`: keyed BLAKE3 (the secret) of the chunk's names, dtypes, shapes and tensor
 bytes, computed by the sender as it broadcasts, sent over gRPC. A worker hashes each tensor as it arrives (a thread
 beside the loading of the chunk before), compares (constant-time) and loads nothing of a chunk that differs
 (`TamperedWeights`): a tensor altered or injected on the socket never reaches the model. Not provided: secrecy (the
@@ -56,6 +56,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import blake3
 import torch
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
@@ -103,7 +104,8 @@ def store_prefix(hex_secret: str) -> str:
 
 
 def _chunk_mac(hex_secret: str, specs: Sequence[Spec]) -> Any:
-    mac = hmac.new(_secret(hex_secret), b"forkrl-chunk\0", hashlib.sha256)
+    # BLAKE3's keyed mode is a MAC; ~5 GB/s on one core where HMAC-SHA256 does ~1 (a push hashes every byte twice)
+    mac = blake3.blake3(b"forkrl-chunk\0", key=_secret(hex_secret), max_threads=1)
     mac.update(json.dumps([list(s) for s in specs]).encode())
     return mac
 
@@ -113,7 +115,7 @@ def _bytes(t: torch.Tensor) -> Any:
 
 
 def chunk_digest(hex_secret: str, specs: Sequence[Spec], tensors: Sequence[torch.Tensor]) -> str:
-    """HMAC-SHA256 (the group's secret) of a chunk: its specs (name, dtype, shape) and each tensor's bytes, in
+    """Keyed BLAKE3 (the group's secret) of a chunk: its specs (name, dtype, shape) and each tensor's bytes, in
     order (hex)."""
     mac = _chunk_mac(hex_secret, specs)
     for t in tensors:
