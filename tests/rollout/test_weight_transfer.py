@@ -306,8 +306,8 @@ def test_an_intruder_on_the_weight_channel_gets_nothing_loaded(
     report = trainer(service, tiny_model_dir, tmp_path / "tampered.safetensors", mode="tamper", seed=4)
     seen = report["intruder"]
     assert seen["altered"] == TAMPER_TENSOR and seen["keys"], report  # it reached the store during the push
-    assert not seen["secret_in_store"] and not seen["digest_in_store"], report
     assert report.get("code") == "FAILED_PRECONDITION" and "does not match the digest" in report["details"], report
+    assert not seen["secret_in_store"] and not seen["digest_in_store"], report
     assert "the old weights serve on" in report["details"] and report["health"] == SERVING
     assert client.info().version == version and client.health() == SERVING
     trajs = list(client.generate(PROMPTS, n=4, temperature=1.0, max_new_tokens=24, seed=9))

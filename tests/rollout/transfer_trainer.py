@@ -118,7 +118,7 @@ def tamper(model: torch.nn.Module) -> dict:
 
     def spied_init(self, init_info):  # noqa: ANN001, ANN202
         seen["address"] = [init_info["master_address"], init_info["master_port"]]
-        seen["secret"] = init_info["secret"]  # the trainer's own, to search the store for
+        seen["secret"] = init_info.get("secret", "")  # the trainer's own, to search the store for
         return init(self, init_info)
 
     def spied_update(self, update_info):  # noqa: ANN001, ANN202
@@ -128,8 +128,9 @@ def tamper(model: torch.nn.Module) -> dict:
             keys = store.list_keys()
             values = [store.get(k).hex() for k in keys]
             seen["keys"] = keys
-            seen["secret_in_store"] = any(seen["secret"] in x for x in [*keys, *values])
-            seen["digest_in_store"] = any(update_info["digest"] in x for x in [*keys, *values])
+            secrets = [s for s in (seen["secret"], update_info.get("digest", "")) if s]
+            seen["secret_in_store"] = any(s in x for s in secrets[:1] for x in [*keys, *values])
+            seen["digest_in_store"] = any(s in x for s in secrets[1:] for x in [*keys, *values])
         return update(self, update_info)
 
     transfer_gloo._post = altered_post

@@ -144,3 +144,14 @@ def test_every_other_route_loads_only_tensors_finite_in_the_served_dtype() -> No
     nan = guard_receives(_NcclLike(torch.bfloat16, [("x", torch.tensor([float("nan")]))]))
     with pytest.raises(NonFiniteWeights):
         nan.receive_weights(None)
+
+
+@pytest.mark.parametrize("value", ["0.0.0.0", "0.0.0.0:29500", "::", "[::]:29500"])
+def test_the_rendezvous_is_never_every_interface(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    from forkrl.training.rollouts import TRANSFER_ADDRESS_ENV, transfer_address
+
+    monkeypatch.setenv(TRANSFER_ADDRESS_ENV, value)
+    with pytest.raises(ValueError, match=f"{TRANSFER_ADDRESS_ENV} must be an address of this host"):
+        transfer_address()
+    monkeypatch.setenv(TRANSFER_ADDRESS_ENV, "10.1.2.3:29500")
+    assert transfer_address() == ("10.1.2.3", 29500)
