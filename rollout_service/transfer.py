@@ -198,10 +198,11 @@ class WeightTransfer:
             except Exception as e:
                 # a NaN or inf the workers refused (forkrl/weights/transfer_gloo.py; vLLM passes a worker's error
                 # on as its message): the trainer's fault. A digest that differs: the bytes were altered on the
-                # channel. Either way the workers loaded none of the chunk: with no chunk before it, the old
-                # weights are whole. Anything else: the group failed.
+                # channel. Either way gloo's workers loaded none of the chunk (vLLM's nccl engine loads each tensor
+                # as it comes): with no chunk before it, the old weights are whole. Anything else: the group failed.
                 nonfinite = "holds NaN or inf" in str(e)
-                if (nonfinite or "does not match the digest" in str(e)) and not s.received:
+                refused = nonfinite or "does not match the digest" in str(e)
+                if refused and self.backend_name == "gloo" and not s.received:
                     s.touched = False
                 await self._end(s, f"a chunk failed ({type(e).__name__}: {e})")
                 raise (InvalidArgument if nonfinite else FailedPrecondition)(
