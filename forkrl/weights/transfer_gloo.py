@@ -28,27 +28,19 @@ its service refused before loading is received and dropped (`discard`). An updat
 drops the group on both sides (receives posted ahead cannot be taken back): the trainer forms it again for its
 next push.
 
-Authentication. The store and the pair sockets accept whoever reaches them (TCPStore and gloo have no credentials),
-so nothing received on them is trusted on its own. The trainer draws a secret per group (`secrets`, 32 bytes) and
-hands it to the workers only over the authenticated gRPC call (InitWeightTransfer: token + TLS). The rendezvous keys
-live under a prefix derived from it (an intruder cannot pre-seed or race the keys of a group it cannot name; a store
-client can still list keys once written: the prefix is a one-way function of the secret, never the secret). Each
-chunk's update info carries `digest`: keyed BLAKE3 (the secret) of the chunk's names, dtypes, shapes and tensor
-bytes, computed by the sender as it broadcasts, sent over gRPC. A worker hashes each tensor as it arrives (a thread
-beside the loading of the chunk before), compares (constant-time) and loads nothing of a chunk that differs
-(`TamperedWeights`): a tensor altered or injected on the socket never reaches the model. Not provided: secrecy (the
-tensor bytes travel in clear) and availability (whoever reaches the ports can break a group formation or a
-broadcast: the push fails). The store listens on the trainer's given address only, the pair sockets on the address
-that routes to it.
+Authentication (forkrl/weights/transfer_auth.py). The store and the pair sockets accept whoever reaches them, so
+nothing received on them is trusted alone: the trainer draws a secret per group and sends it to the workers only in
+the init info (InitWeightTransfer, over gRPC with token and TLS); the rendezvous keys live under a prefix derived
+from it, and each chunk's update info carries `digest`, a keyed BLAKE3 of the chunk that the worker compares with
+its own digest of the received bytes (hashed as they arrive, beside the loading of the chunk before) before loading
+any of it (`TamperedWeights`). Not provided: secrecy (the tensor bytes travel in clear) and availability (whoever
+reaches the ports can break a group formation or a broadcast: the push fails). The store listens on the trainer's
+given address only, the pair sockets on the address that routes to it.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
-import json
-import secrets
 import socket
 import threading
 from collections.abc import Sequence
@@ -56,7 +48,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import blake3
 import torch
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
@@ -72,76 +63,19 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from forkrl.weights.finite import is_finite
 from forkrl.weights.guard import NonFiniteWeights, served_dtype
 from forkrl.weights.safetensors import DTYPES
+from forkrl.weights.transfer_auth import (
+    Spec,
+    check_digest,
+    chunk_digest,
+    digest_behind,
+    new_secret,
+    secret_bytes,
+    store_prefix,
+)
 
 BACKEND = "gloo"
 TIMEOUT_S = 300.0  # one broadcast (and the TCPStore) may wait this long for a peer
 CONNECT_TIMEOUT_S = 60.0  # joining the group: every member connects within this
-Spec = tuple[str, str, list[int]]  # one tensor of a chunk: name, dtype name, shape
-
-
-SECRET_BYTES = 32
-
-
-class TamperedWeights(ValueError):
-    """The received bytes of a chunk do not match the digest the trainer sent over gRPC: refused, nothing loaded."""
-
-
-def _secret(hex_secret: str) -> bytes:
-    try:
-        key = bytes.fromhex(hex_secret)
-    except ValueError:
-        key = b""
-    if len(key) != SECRET_BYTES:
-        raise ValueError(f"secret must be {SECRET_BYTES} bytes in hex (the trainer draws it per group), got "
-                         f"{len(hex_secret)} characters")
-    return key
-
-
-def store_prefix(hex_secret: str) -> str:
-    """The rendezvous keys' prefix: derived from the secret one way (a store client may list it, never invert it)."""
-    name = hmac.new(_secret(hex_secret), b"forkrl-store", hashlib.sha256).hexdigest()[:32]
-    return f"forkrl-weights/{name}"
-
-
-def _chunk_mac(hex_secret: str, specs: Sequence[Spec]) -> Any:
-    # BLAKE3's keyed mode is a MAC; ~5 GB/s on one core where HMAC-SHA256 does ~1 (a push hashes every byte twice)
-    mac = blake3.blake3(b"forkrl-chunk\0", key=_secret(hex_secret), max_threads=1)
-    mac.update(json.dumps([list(s) for s in specs]).encode())
-    return mac
-
-
-def _bytes(t: torch.Tensor) -> Any:
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
-
-
-def chunk_digest(hex_secret: str, specs: Sequence[Spec], tensors: Sequence[torch.Tensor]) -> str:
-    """Keyed BLAKE3 (the group's secret) of a chunk: its specs (name, dtype, shape) and each tensor's bytes, in
-    order (hex)."""
-    mac = _chunk_mac(hex_secret, specs)
-    for t in tensors:
-        mac.update(_bytes(t))
-    return mac.hexdigest()
-
-
-def _digest_behind(hex_secret: str, specs: Sequence[Spec], tensors: Sequence[torch.Tensor],
-                   works: Sequence[Any]) -> Future[str]:
-    """`chunk_digest` of tensors still being received, each hashed as its receive completes, on a thread of its own
-    (hashlib releases the GIL: it runs beside the loading of the chunk before; a daemon, so a receive that never
-    completes holds no exit)."""
-    done: Future[str] = Future()
-
-    def run() -> None:
-        try:
-            mac = _chunk_mac(hex_secret, specs)
-            for t, work in zip(tensors, works, strict=True):
-                work.wait()
-                mac.update(_bytes(t))
-            done.set_result(mac.hexdigest())
-        except BaseException as e:  # noqa: BLE001 - the receive's error, raised where the chunk is taken
-            done.set_exception(e)
-
-    threading.Thread(target=run, name="forkrl-gloo-digest", daemon=True).start()
-    return done
 
 
 def local_address(master_address: str, master_port: int) -> str:
@@ -163,7 +97,7 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     timeout_s: float = TIMEOUT_S
 
     def __post_init__(self) -> None:
-        _secret(self.secret)
+        secret_bytes(self.secret)
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in [1, 65535], got {self.master_port}")
         if not 0 < self.rank_offset < self.world_size:
@@ -306,7 +240,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def _post_all(self, specs: list[Spec]) -> tuple[list[torch.Tensor], Future[str]]:
         """Post the receives of a chunk; its tensors and the digest of what they receive (hashed as they arrive)."""
         tensors = [torch.empty(shape, dtype=DTYPES[dtype]) for _, dtype, shape in specs]
-        return tensors, _digest_behind(self.secret, specs, tensors, [_post(self.group, t) for t in tensors])
+        return tensors, digest_behind(self.secret, specs, tensors, [_post(self.group, t) for t in tensors])
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         """Receive the chunk's tensors (posted by the previous chunk when it announced this one), while the next
@@ -330,13 +264,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         digest = received.result()  # every receive of the chunk completed
         if update_info.discard:
             return
-        if not update_info.digest:
-            raise TamperedWeights("the chunk carries no digest (the trainer sends one with every chunk): refused, "
-                                  "none of it was loaded")
-        if not hmac.compare_digest(digest, update_info.digest):
-            raise TamperedWeights(f"the chunk of {len(specs)} tensor(s) from {specs[0][0]!r} does not match the "
-                                  "digest the trainer sent (altered or injected on the weight channel); none of it "
-                                  "was loaded")
+        check_digest(digest, update_info.digest, specs)
         served = served_dtype(self)
         for (name, _, _), t in zip(specs, tensors, strict=True):
             if not is_finite(t, served):
@@ -403,7 +331,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         family = socket.AF_INET6 if ":" in init_info.master_address else socket.AF_INET
         listen = socket.create_server((init_info.master_address, init_info.master_port), family=family)
         engine.port = listen.getsockname()[1]
-        engine.secret = secrets.token_hex(SECRET_BYTES)
+        engine.secret = new_secret()
         worker_info = {"master_address": init_info.master_address, "master_port": engine.port, "rank_offset": 1,
                        "world_size": init_info.world_size, "timeout_s": init_info.timeout_s,
                        "secret": engine.secret}

@@ -1,5 +1,5 @@
 """The weight channel's checks at their seam, on CPU, without vLLM's engine (forkrl/weights/transfer_gloo.py,
-forkrl/weights/guard.py): a real gloo group of two in-process members (the trainer's sender and one receiving
+transfer_auth.py, guard.py): a real gloo group of two in-process members (the trainer's sender and one receiving
 worker) over a real TCPStore, and a stand-in model that records what it loads.
 
 - a chunk whose bytes were altered on the socket (the sender broadcasts other bytes than it digested) is refused
@@ -25,6 +25,7 @@ from torch.distributed import TCPStore
 
 from forkrl.weights import transfer_gloo as tg
 from forkrl.weights.guard import NonFiniteWeights, guard_receives
+from forkrl.weights.transfer_auth import TamperedWeights, chunk_digest, store_prefix
 
 SECRET = "5e" * 32
 
@@ -67,13 +68,13 @@ def _push(sender: Any, worker: Any, tensors: dict[str, torch.Tensor], *, on_wire
     digest of `tensors`; the worker's error, if any."""
     specs = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors.items()]
     info = tg.GlooWeightTransferUpdateInfo([s[0] for s in specs], [s[1] for s in specs], [s[2] for s in specs],
-                                           digest=tg.chunk_digest(SECRET, specs, list(tensors.values()))
+                                           digest=chunk_digest(SECRET, specs, list(tensors.values()))
                                            if digest is None else digest)
     works = [tg._post(sender, t) for t in (on_wire or tensors).values()]
     try:
         worker.receive_weights(info)
         error = None
-    except (tg.TamperedWeights, NonFiniteWeights) as e:
+    except (TamperedWeights, NonFiniteWeights) as e:
         error = e
     for w in works:
         w.wait()
@@ -87,10 +88,11 @@ def test_a_chunk_altered_on_the_wire_is_refused_before_any_of_it_loads(pair: tup
     altered = {"a.weight": genuine["a.weight"].clone(), "b.bias": genuine["b.bias"].clone()}
     altered["b.bias"][2] += 1  # one element, in the chunk's last tensor
     error = _push(sender, worker, genuine, on_wire=altered)
-    assert isinstance(error, tg.TamperedWeights) and "does not match the digest" in str(error)
+    assert isinstance(error, TamperedWeights) and "does not match the digest" in str(error)
     assert worker.model.loaded == []  # not even the unaltered first tensor
-    assert isinstance(_push(sender, worker, genuine, digest=""), tg.TamperedWeights)  # no digest: refused
-    assert isinstance(_push(sender, worker, genuine, digest="00" * 32), tg.TamperedWeights)  # a forged one
+    assert isinstance(_push(sender, worker, genuine, digest=""), TamperedWeights)  # no digest: refused
+    assert isinstance(_push(sender, worker, genuine, digest="00" * 32), TamperedWeights)  # a forged one
+    assert isinstance(_push(sender, worker, genuine, digest="é" * 64), TamperedWeights)  # not even hex
     assert worker.model.loaded == []
     assert _push(sender, worker, genuine) is None
     assert [n for n, _ in worker.model.loaded] == list(genuine)
@@ -112,7 +114,7 @@ def test_the_store_holds_nothing_an_intruder_can_name_and_never_the_secret(pair:
     _, _, port = pair
     intruder = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2))
     keys = intruder.list_keys()
-    assert keys and all(k.startswith(tg.store_prefix(SECRET)) for k in keys)
+    assert keys and all(k.startswith(store_prefix(SECRET)) for k in keys)
     assert not any(SECRET in k for k in keys)
     assert not any(k.startswith("forkrl-weights/127.0.0.1") for k in keys)  # the old name: derived from the address
     with pytest.raises(ValueError, match="secret must be 32 bytes in hex"):
