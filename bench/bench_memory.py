@@ -168,7 +168,7 @@ def launch(a: argparse.Namespace, ranks: int, ckpt: str, precision: str, micro: 
         out = Path(tmp) / "r.json"
         keys = ("hidden", "layers", "inter", "vocab", "rows", "prompt", "response", "grad_sync")
         dims = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in keys]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+        cmd = [sys.executable, "-m", "forkrl.launch", f"--nproc-per-node={ranks}",
                str(Path(__file__).resolve()), f"--worker={ckpt},{precision},{micro}", f"--out={out}", *dims]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -100,7 +100,7 @@ def launch(args: argparse.Namespace, mode: str, nproc: int) -> dict:
         out = Path(tmp) / "r.json"
         passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
             "steps", "hidden", "layers", "vocab", "rows", "length", "micro", "mini", "epochs", "tis_cap", "threads")]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        cmd = [sys.executable, "-m", "forkrl.launch", f"--nproc-per-node={nproc}",
                str(Path(__file__).resolve()), f"--worker={mode}", f"--out={out}", *passthrough]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -99,7 +99,7 @@ def measure(a: argparse.Namespace, tree: str, grad_sync: str) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         dims = [f"--{k}={getattr(a, k)}" for k in ("steps", "vocab", "hidden", "layers")]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.ranks}",
+        cmd = [sys.executable, "-m", "forkrl.launch", f"--nproc-per-node={a.ranks}",
                str(Path(__file__).resolve()), "--trees=-", f"--worker={grad_sync or '-'}", f"--out={out}", *dims]
         env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)

@@ -325,22 +325,22 @@ class RolloutEngine:
 
     async def _check_finite(self, path: str | Path, what: str) -> None:
         """InvalidArgument naming the first tensor under `path` whose bytes lie outside its file (a truncated file)
-        or that holds a NaN or inf: such weights never reach the engine (one fused reduction per tensor over the
-        file's memory map, in a thread: generation goes on)."""
-        files = checkpoint_files(path)
+        or that holds a NaN or inf in its dtype or the served one (7e4 is inf in float16): such weights never reach
+        the engine (one fused reduction per tensor over the file's memory map, in a thread: generation goes on)."""
+        files, served = checkpoint_files(path), DTYPES.get(str(self.backend.engine_settings.get("served_dtype")))
 
         def scan() -> str | None:
             for f in files:
                 check_data_section(f)
-            return first_nonfinite(iter_safetensors(files))
+            return first_nonfinite(iter_safetensors(files), served)
 
         try:
             bad = await asyncio.to_thread(scan)
         except WeightsError as e:
             raise InvalidArgument(f"{what}: {e}") from None
         if bad is not None:
-            raise InvalidArgument(f"{what}: tensor {bad!r} holds NaN or inf values; refused, version {self.version} "
-                                  "keeps serving")
+            raise InvalidArgument(f"{what}: tensor {bad!r} holds NaN or inf values (in its dtype or the served "
+                                  f"{served}); refused, version {self.version} keeps serving")
 
     async def update_weights(
         self,

@@ -279,6 +279,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                                       f"{request.backend!r}")
             info: dict[str, Any] = {"master_address": request.master_address, "master_port": request.master_port,
                                     "rank_offset": request.rank_offset, "world_size": request.world_size}
+            if backend == "gloo":
+                info["secret"] = request.secret
             if backend == "nccl":
                 info["packed"] = request.packed
                 if request.packed_buffer_size_bytes:
@@ -311,7 +313,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                          "shapes": [list(x.dims) for x in request.next_shapes]} if request.next_names else None
             await self._ready().transfer.chunk(request.run_id, request.target_version, list(request.names),
                                                list(request.dtype_names), [list(x.dims) for x in request.shapes],
-                                               following)
+                                               following, request.digest)
             return pb.UpdateWeightChunkResponse()
         except asyncio.CancelledError:
             raise

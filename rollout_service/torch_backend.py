@@ -73,6 +73,7 @@ class TorchBackend:
             "engine_mode": "torch",
             "weight_transfer_backend": "",
             "weight_transfer_workers": 0,
+            "served_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "max_model_len": max_model_len,
             "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
         }

@@ -36,12 +36,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from forkrl.weights.safetensors import DTYPES
-from rollout_service.types import FailedPrecondition, InvalidArgument
+from rollout_service.types import FailedPrecondition, InvalidArgument, PushTarget
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Coroutine
-
-    from rollout_service.engine import RolloutEngine
 
 log = logging.getLogger("rollout_service")
 T = TypeVar("T")
@@ -72,9 +70,9 @@ class _EngineStuck(Exception):
 
 
 class WeightTransfer:
-    """The weight-transfer sessions of one RolloutEngine (one at a time)."""
+    """The weight-transfer sessions of one engine (RolloutEngine, as a PushTarget; one session at a time)."""
 
-    def __init__(self, engine: RolloutEngine, timeout_s: float) -> None:
+    def __init__(self, engine: PushTarget, timeout_s: float) -> None:
         self.engine = engine
         self.timeout_s = timeout_s
         self.backend_name = str(engine.backend.engine_settings.get("weight_transfer_backend", ""))
@@ -91,9 +89,11 @@ class WeightTransfer:
         return await _detached(self._start(run_id, target_version))
 
     async def chunk(self, run_id: str, target_version: int, names: Sequence[str], dtype_names: Sequence[str],
-                    shapes: Sequence[Sequence[int]], following: dict[str, Any] | None = None) -> None:
-        """`following`: the next chunk's names, dtypes and shapes (gloo: its receives are posted behind this one's)."""
-        return await _detached(self._chunk(run_id, target_version, names, dtype_names, shapes, following))
+                    shapes: Sequence[Sequence[int]], following: dict[str, Any] | None = None,
+                    digest: str = "") -> None:
+        """`following`: the next chunk's names, dtypes and shapes (gloo: its receives are posted behind this one's).
+        `digest`: gloo, the chunk's keyed digest the workers check before loading it."""
+        return await _detached(self._chunk(run_id, target_version, names, dtype_names, shapes, following, digest))
 
     async def finish(self, run_id: str, target_version: int) -> float:
         """Commit the session; returns the seconds from Start to the resume (generation paused meanwhile)."""
@@ -127,6 +127,11 @@ class WeightTransfer:
         if not 1 <= offset or offset + workers > world:
             raise InvalidArgument(f"rank_offset must be >= 1 and rank_offset + this engine's {workers} worker(s) <= "
                                   f"world_size, got rank_offset {offset}, world_size {world}")
+        if self.backend_name == "gloo":
+            secret = str(info.get("secret", ""))
+            if len(secret) != 64 or any(c not in "0123456789abcdef" for c in secret):
+                raise InvalidArgument(f"secret must be the group's 32-byte secret in lowercase hex (64 characters), "
+                                      f"got {len(secret)} characters")
         # gloo: the group's timeout; nccl: the workers' deadline on each receive (forkrl/weights/deadline.py)
         info = info | {"timeout_s": self.timeout_s}
         self.initialized = False
@@ -177,12 +182,14 @@ class WeightTransfer:
         self._session = s
 
     async def _chunk(self, run_id: str, target_version: int, names: Sequence[str], dtype_names: Sequence[str],
-                     shapes: Sequence[Sequence[int]], following: dict[str, Any] | None) -> None:
+                     shapes: Sequence[Sequence[int]], following: dict[str, Any] | None, digest: str) -> None:
         s = self._current(run_id, target_version)
         info: dict[str, Any] = {"names": list(names), "dtype_names": list(dtype_names),
                                 "shapes": [list(x) for x in shapes]}
         if following and self.backend_name == "gloo":
             info["next"] = following
+        if self.backend_name == "gloo":
+            info["digest"] = digest
         s.busy = True
         try:
             try:
@@ -203,12 +210,18 @@ class WeightTransfer:
                 raise FailedPrecondition(str(e)) from None
             except Exception as e:
                 # a NaN or inf the workers refused (forkrl/weights/transfer_gloo.py; vLLM passes a worker's error
-                # on as its message): the trainer's fault, the group is fine. Anything else: the group failed.
+                # on as its message): the trainer's fault. A digest that differs: the bytes were altered on the
+                # channel. Either way gloo's workers loaded none of the chunk (vLLM's nccl engine loads each tensor
+                # as it comes): with no chunk before it, the old weights are whole. Anything else: the group failed.
                 nonfinite = "holds NaN or inf" in str(e)
+                refused = nonfinite or "does not match the digest" in str(e)
+                if refused and self.backend_name == "gloo" and not s.received:
+                    s.touched = False
                 await self._end(s, f"a chunk failed ({type(e).__name__}: {e})")
                 raise (InvalidArgument if nonfinite else FailedPrecondition)(
-                    f"UpdateWeightChunk failed ({e}); the served weights are broken until a push or load "
-                    "succeeds") from None
+                    f"UpdateWeightChunk failed ({e}); " + ("the old weights serve on" if not s.touched else
+                                                          "the served weights are broken until a push or load "
+                                                          "succeeds")) from None
             s.received.update(info["names"])
         finally:
             s.busy, s.last_call = False, time.monotonic()

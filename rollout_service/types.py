@@ -8,9 +8,13 @@ went wrong without importing grpc. `Backend` is what `RolloutEngine` needs from 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from rollout_service.gate import SwapGate
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -145,3 +149,28 @@ class Backend(Protocol):
     def num_unfinished(self) -> int: ...
     def errored(self) -> bool: ...
     def shutdown(self) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------- push target
+class PushTarget(Protocol):
+    """What a weight push (rollout_service/transfer.py) needs of the engine it pushes into (RolloutEngine): the
+    backend, the lease and version rules, the one lock every push holds, the serving state and the swap gate. The
+    transfer code depends on this, not on engine.py, so the two modules import in one direction only."""
+
+    backend: Backend
+    counters: Counters
+    apply_lock: asyncio.Lock
+    gate: SwapGate
+    broken: str | None
+    swap_mode: str
+    drain_timeout_s: float
+    specs: dict[str, Any]
+    ignorable: set[str]
+
+    def lease(self) -> tuple[str, float]: ...
+    def check_push(self, run_id: str, target_version: int) -> None: ...
+    def take_lease(self, run_id: str) -> None: ...
+    def commit(self, target_version: int) -> None: ...
+    def abort_for_swap(self) -> None: ...
+    async def mark_broken(self, why: str) -> None: ...
+    async def set_serving(self, serving: bool) -> None: ...

@@ -57,6 +57,8 @@ class VllmBackend:
         self.engine_settings = engine_settings | {
             "max_model_len": self.max_model_len,
             "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # the dtype the weights are cast to when loaded: the finite checks' range (forkrl/weights/finite.py)
+            "served_dtype": str(llm.model_config.dtype).removeprefix("torch."),
         }
 
     @classmethod

@@ -11,7 +11,8 @@ stages pushed weights as a safetensors file (in /dev/shm when it exists) and pas
 
 Importing this module also registers the "gloo" weight-transfer backend (forkrl/weights/transfer_gloo.py) with
 vLLM's factories: vLLM imports the extension when it builds the worker, before `load_model`, where the worker
-creates the weight-transfer engine its `WeightTransferConfig` names.
+creates the weight-transfer engine its `WeightTransferConfig` names; and it wraps that factory so every engine it
+creates (vLLM's nccl one too) loads only tensors finite in the served dtype (forkrl/weights/guard.py).
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ import torch
 
 import forkrl.weights.transfer_gloo  # noqa: F401  (registers the "gloo" backend: see the module docstring)
 from forkrl.runtime import die_with_service
+from forkrl.weights.guard import guard_factory
 from forkrl.weights.safetensors import check_data_section, checkpoint_files, iter_safetensors
 
 # vLLM imports this module in the process that runs the model (its engine core, or with --engine-mode mp its worker)
 # before the model is loaded: from here on that process, and any between it and the service, ends with the service
 # even when the service is SIGKILLed (forkrl/runtime.py)
 die_with_service()
+
+# every weight-transfer engine of this worker (vLLM's nccl one too) loads only tensors finite in the served dtype
+guard_factory()
 
 # bf16 engines on CPU die with SIGILL inside the attention kernels unless AMX tiles were requested for
 # the process before first use; the worker imports this module at start-up, which is early enough.

@@ -140,7 +140,7 @@ start_rollout "$WORK/rollout.log"
 
 echo "== trainer service on ${TRAINER_GPUS:-cpu} ($RANKS rank(s), TF32 $TF32), port $TPORT"
 LAUNCH=("$PY")
-[ "$RANKS" -gt 1 ] && LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$RANKS")
+[ "$RANKS" -gt 1 ] && LAUNCH=("$PY" -m forkrl.launch --nproc-per-node "$RANKS")
 CUDA_VISIBLE_DEVICES=$TRAINER_GPUS TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=$TF32 setsid "${LAUNCH[@]}" -m trainer_service \
   --port "$TPORT" --runs-root "$WORK/runs" --allowed-roots "$WORK" --rollout-addresses "127.0.0.1:$RPORT" \
   --device "$DEVICE" --threads "$THREADS" --no-tensorboard >"$WORK/trainer.log" 2>&1 &

@@ -325,10 +325,10 @@ def start_trainer_service(
     `expect_clean_stop` as for `start_rollout_service`. Unless the test says otherwise, StartRun may read models
     and datasets under the temporary directory (allowed_roots) and use any rollout service on 127.0.0.1
     (rollout_addresses 127.0.0.1:*); run dirs must lie inside `runs_root`, as for any trainer. `ranks` > 1:
-    under `torchrun --standalone --nproc-per-node <ranks>` (rank 0 serves, the others follow it)."""
+    under `python -m forkrl.launch --nproc-per-node <ranks>` (rank 0 serves, the others follow it)."""
     settings.setdefault("allowed_roots", tempfile.gettempdir())
     settings.setdefault("rollout_addresses", "127.0.0.1:*")  # the tests' rollout services bind free ports
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
+    launcher = [sys.executable, "-m", "forkrl.launch", f"--nproc-per-node={ranks}"] \
         if ranks > 1 else [sys.executable]
     cmd = [*launcher, "-m", "trainer_service", "--port", "0", "--runs-root", str(runs_root),
            "--no-tensorboard", *_flags(settings)]

@@ -2,7 +2,7 @@
 
     python -m trainer_service --host 127.0.0.1 --port 50052 --runs-root runs
     python -m trainer_service --help          # every flag; each also reads TRAINER_<FLAG>
-    torchrun --standalone --nproc-per-node 2 -m trainer_service ...   # N ranks: rank 0 serves (docs/scaling.md)
+    python -m forkrl.launch --nproc-per-node 2 -m trainer_service ...   # N ranks: rank 0 serves (docs/scaling.md)
 
 The CLI is parsed before torch is imported, so --help and bad flags answer at once.
 """

@@ -267,12 +267,13 @@ class RolloutClient:
     # ---------------------------------------- vLLM's weight-transfer API (rollout_service/transfer.py); no retries
     def init_weight_transfer(self, run_id: str, backend: str, master_address: str, master_port: int, world_size: int,
                              rank_offset: int, *, packed: bool = False, packed_buffer_size_bytes: int = 0,
-                             packed_num_buffers: int = 0, timeout_s: float = 120.0) -> None:
-        """The engine's workers join the trainer's process group (returns once all members joined)."""
+                             packed_num_buffers: int = 0, secret: str = "", timeout_s: float = 120.0) -> None:
+        """The engine's workers join the trainer's process group (returns once all members joined). `secret`: the
+        group's (gloo: forkrl/weights/transfer_gloo.py), sent over this authenticated channel only."""
         self._stub.InitWeightTransfer(pb.InitWeightTransferRequest(
             run_id=run_id, backend=backend, master_address=master_address, master_port=master_port,
             world_size=world_size, rank_offset=rank_offset, packed=packed,
-            packed_buffer_size_bytes=packed_buffer_size_bytes, packed_num_buffers=packed_num_buffers),
+            packed_buffer_size_bytes=packed_buffer_size_bytes, packed_num_buffers=packed_num_buffers, secret=secret),
             timeout=timeout_s, wait_for_ready=self.wait_for_ready)
 
     def start_weight_update(self, run_id: str, target_version: int, *, timeout_s: float | None = None) -> None:
@@ -282,15 +283,16 @@ class RolloutClient:
 
     def update_weight_chunk(self, run_id: str, target_version: int, names: Sequence[str], dtype_names: Sequence[str],
                             shapes: Sequence[Sequence[int]], *, next: Mapping[str, Any] | None = None,
-                            timeout_s: float | None = None) -> None:
+                            digest: str = "", timeout_s: float | None = None) -> None:
         """One chunk: the service's workers receive these tensors from the trainer's broadcast during the call.
-        `next` ({names, dtype_names, shapes}): the chunk that follows (gloo: received while this one loads)."""
+        `next` ({names, dtype_names, shapes}): the chunk that follows (gloo: received while this one loads).
+        `digest`: the chunk's keyed digest (gloo), checked by the workers before they load it."""
         n = next or {}
         self._stub.UpdateWeightChunk(pb.UpdateWeightChunkRequest(
             run_id=run_id, target_version=target_version, names=list(names), dtype_names=list(dtype_names),
             shapes=[pb.TensorShape(dims=list(s)) for s in shapes], next_names=list(n.get("names", [])),
             next_dtype_names=list(n.get("dtype_names", [])),
-            next_shapes=[pb.TensorShape(dims=list(s)) for s in n.get("shapes", [])]),
+            next_shapes=[pb.TensorShape(dims=list(s)) for s in n.get("shapes", [])], digest=digest),
             timeout=self.timeout_s if timeout_s is None else timeout_s, wait_for_ready=self.wait_for_ready)
 
     def finish_weight_update(self, run_id: str, target_version: int, *,
@@ -340,7 +342,7 @@ class RolloutWeightSync:
             self.run_id, self.backend, str(init_info["master_address"]), int(init_info["master_port"]),
             int(init_info["world_size"]), base + sum(self.workers[:j]), packed=bool(init_info.get("packed", False)),
             packed_buffer_size_bytes=int(init_info.get("packed_buffer_size_bytes", 0)),
-            packed_num_buffers=int(init_info.get("packed_num_buffers", 0))))
+            packed_num_buffers=int(init_info.get("packed_num_buffers", 0)), secret=str(init_info.get("secret", ""))))
 
     def start_weight_update(self) -> None:
         self._each(lambda j, c: c.start_weight_update(self.run_id, self.targets[j]))
@@ -350,7 +352,8 @@ class RolloutWeightSync:
             raise ValueError("per-worker update infos are not supported: every worker receives the same chunk")
         self._each(lambda j, c: c.update_weight_chunk(self.run_id, self.targets[j], update_info["names"],
                                                       update_info["dtype_names"], update_info["shapes"],
-                                                      next=update_info.get("next")))
+                                                      next=update_info.get("next"),
+                                                      digest=str(update_info.get("digest", ""))))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Commit on every service (each as its own targets[j]; `weight_version`, the trainer's, is not sent)."""

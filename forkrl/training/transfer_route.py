@@ -6,6 +6,7 @@ GPU), and the wait for the optimizer's kernels before vLLM's producer reads the 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
@@ -26,7 +27,8 @@ class TransferUnavailable(Exception):
 
 def transfer_address() -> tuple[str, int]:
     """(host, port) of the transfer route's rendezvous from TRAINER_TRANSFER_ADDRESS ("host" or "host:port"; port 0
-    or none: a free one); default 127.0.0.1."""
+    or none: a free one); default 127.0.0.1. The store listens on that address only, and the services connect to
+    it: 0.0.0.0 / [::] (every interface, and no address to connect to) is refused."""
     value = os.environ.get(TRANSFER_ADDRESS_ENV, "").strip() or "127.0.0.1"
     if value.startswith("["):  # [IPv6] or [IPv6]:port
         host, _, rest = value[1:].partition("]")
@@ -41,6 +43,13 @@ def transfer_address() -> tuple[str, int]:
         raise ValueError(f"{TRANSFER_ADDRESS_ENV} must be host or host:port, got {value!r}") from None
     if not 0 <= number < 65536:
         raise ValueError(f"{TRANSFER_ADDRESS_ENV}: port must be in [0, 65535], got {number}")
+    try:
+        unspecified = ipaddress.ip_address(host).is_unspecified
+    except ValueError:  # a host name
+        unspecified = False
+    if unspecified:
+        raise ValueError(f"{TRANSFER_ADDRESS_ENV} must be an address of this host the rollout services can reach (the "
+                         f"weight channel listens there only), got {host!r}, every interface")
     return host, number
 
 

@@ -22,10 +22,20 @@ rank materializes the group's tensors (FSDP2 all-gathers), the sender calls the 
 that group concurrently with broadcasting the tensors, then they are freed. Pipelined: each chunk names the one
 that follows (`next`), so the workers post its receives at once and the sender broadcasts it while the workers
 still load (vLLM's layerwise processing) the current one; the trainer holds at most two groups (a decoder layer,
-or the embeddings) gathered at a time, never the model. A worker checks every received tensor is finite and
-refuses the chunk otherwise (`NonFiniteWeights`); a chunk its service refused before loading is received and
-dropped (`discard`). An update that ends without finishing drops the group on both sides (receives posted ahead
-cannot be taken back): the trainer forms it again for its next push.
+or the embeddings) gathered at a time, never the model. A worker checks every received tensor is finite (in the
+dtype the model serves: forkrl/weights/finite.py) and refuses the chunk otherwise (`NonFiniteWeights`); a chunk
+its service refused before loading is received and dropped (`discard`). An update that ends without finishing
+drops the group on both sides (receives posted ahead cannot be taken back): the trainer forms it again for its
+next push.
+
+Authentication (forkrl/weights/transfer_auth.py). The store and the pair sockets accept whoever reaches them, so
+nothing received on them is trusted alone: the trainer draws a secret per group and sends it to the workers only in
+the init info (InitWeightTransfer, over gRPC with token and TLS); the rendezvous keys live under a prefix derived
+from it, and each chunk's update info carries `digest`, a keyed BLAKE3 of the chunk that the worker compares with
+its own digest of the received bytes (hashed as they arrive, beside the loading of the chunk before) before loading
+any of it (`TamperedWeights`). Not provided: secrecy (the tensor bytes travel in clear) and availability (whoever
+reaches the ports can break a group formation or a broadcast: the push fails). The store listens on the trainer's
+given address only, the pair sockets on the address that routes to it.
 """
 
 from __future__ import annotations
@@ -33,8 +43,8 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -51,16 +61,28 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from forkrl.weights.finite import is_finite
+from forkrl.weights.guard import NonFiniteWeights, served_dtype
 from forkrl.weights.safetensors import DTYPES
+from forkrl.weights.transfer_auth import (
+    Spec,
+    check_digest,
+    chunk_digest,
+    digest_behind,
+    new_secret,
+    secret_bytes,
+    store_prefix,
+)
 
 BACKEND = "gloo"
 TIMEOUT_S = 300.0  # one broadcast (and the TCPStore) may wait this long for a peer
 CONNECT_TIMEOUT_S = 60.0  # joining the group: every member connects within this
-Spec = tuple[str, str, list[int]]  # one tensor of a chunk: name, dtype name, shape
 
 
-class NonFiniteWeights(ValueError):
-    """A received tensor holds a NaN or inf: the chunk is refused (the message names the tensor)."""
+def local_address(master_address: str, master_port: int) -> str:
+    """This host's address on the route to master_address (where its gloo pair sockets listen; no packet sent)."""
+    with socket.socket(socket.AF_INET6 if ":" in master_address else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master_address, master_port))
+        return str(s.getsockname()[0])
 
 
 @dataclass(kw_only=True)
@@ -71,9 +93,11 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     master_port: int
     rank_offset: int
     world_size: int
+    secret: str = ""  # the group's secret, hex (the trainer's, from the gRPC call): required
     timeout_s: float = TIMEOUT_S
 
     def __post_init__(self) -> None:
+        secret_bytes(self.secret)
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in [1, 65535], got {self.master_port}")
         if not 0 < self.rank_offset < self.world_size:
@@ -85,13 +109,15 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
 @dataclass
 class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     """One chunk: the tensors the sender broadcasts next, in order. `discard`: receive them and drop them. `next`:
-    the chunk that follows ({names, dtype_names, shapes}), received while this one loads."""
+    the chunk that follows ({names, dtype_names, shapes}), received while this one loads. `digest`: the sender's
+    `chunk_digest` of it (required unless discarded)."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     discard: bool = False
     next: dict[str, Any] | None = None
+    digest: str = ""
 
     def __post_init__(self) -> None:
         _specs(self.names, self.dtype_names, self.shapes)
@@ -130,12 +156,15 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = TIMEOUT_S
 
 
-def _join(address: str, port: int, rank: int, world_size: int, timeout_s: float,
+def _join(address: str, port: int, rank: int, world_size: int, timeout_s: float, secret: str,
           listen: socket.socket | None = None) -> Any:
     """A gloo ProcessGroup of `world_size` over a TCPStore at address:port (rank 0 serves it, from `listen` when
-    given), apart from the default group. Joining waits at most CONNECT_TIMEOUT_S; broadcasts `timeout_s`."""
+    given; its keys under `store_prefix(secret)`), apart from the default group, its pair sockets on this host's
+    address towards `address`. Joining waits at most CONNECT_TIMEOUT_S; broadcasts `timeout_s`."""
+    from torch._C._distributed_c10d import ProcessGroup
     from torch.distributed import PrefixStore, rendezvous
-    from vllm.distributed.utils import create_tcp_store, init_gloo_process_group
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+    from vllm.distributed.utils import create_tcp_store
 
     connect = datetime.timedelta(seconds=min(CONNECT_TIMEOUT_S, timeout_s))
     if listen is not None:
@@ -145,7 +174,18 @@ def _join(address: str, port: int, rank: int, world_size: int, timeout_s: float,
         store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=connect))
     timeout = datetime.timedelta(seconds=timeout_s)
     store.set_timeout(timeout)
-    return init_gloo_process_group(PrefixStore(f"forkrl-weights/{address}:{port}", store), rank, world_size, timeout)
+    prefixed = PrefixStore(store_prefix(secret), store)
+    opts = ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [ProcessGroupGloo.create_device(hostname=address if listen is not None
+                                                    else local_address(address, port))]
+    # vllm.distributed.utils.init_gloo_process_group, with this device (the default one binds where the host name
+    # resolves, which need not be the interface the group meets on)
+    group, backend = ProcessGroup(prefixed, rank, world_size), ProcessGroupGloo(prefixed, rank, world_size, opts)
+    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    backend._set_sequence_number_for_group()
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    return group
 
 
 def _post(group: Any, tensor: torch.Tensor) -> Any:
@@ -167,12 +207,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
+    checks_finite = True  # before loading any of a chunk (forkrl/weights/guard.py leaves it alone)
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: Any = None
+        self.secret = ""  # the group's (init info): the chunks' digests are keyed with it
         self.in_update = False  # between start_weight_update and finish (or abort)
-        self._ahead: tuple[list[Spec], list[torch.Tensor], list[Any]] | None = None  # the next chunk, posted
+        self._ahead: tuple[list[Spec], list[torch.Tensor], Future[str]] | None = None  # the next chunk, posted
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()  # a new trainer connection replaces the last one
@@ -181,7 +223,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if rank >= init_info.world_size:
             raise ValueError(f"this worker's rank {rank} is outside world_size {init_info.world_size}")
         self.group = _join(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                           init_info.timeout_s)
+                           init_info.timeout_s, init_info.secret)
+        self.secret = init_info.secret
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -194,51 +237,43 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # broadcast this chunk needs is waited for here, so there is nothing to synchronize
         self.receive_weights(self.parse_update_info(update_info))
 
-    def _post_all(self, specs: list[Spec]) -> tuple[list[torch.Tensor], list[Any]]:
+    def _post_all(self, specs: list[Spec]) -> tuple[list[torch.Tensor], Future[str]]:
+        """Post the receives of a chunk; its tensors and the digest of what they receive (hashed as they arrive)."""
         tensors = [torch.empty(shape, dtype=DTYPES[dtype]) for _, dtype, shape in specs]
-        return tensors, [_post(self.group, t) for t in tensors]
+        return tensors, digest_behind(self.secret, specs, tensors, [_post(self.group, t) for t in tensors])
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
-        """Receive the chunk's tensors (posted by the previous chunk when it announced this one) and load each
-        finite one as it arrives, while the next chunk's receives (`next`) run behind them. Every tensor of the
-        chunk is received; a NaN or inf raises NonFiniteWeights at the end, naming the first such tensor (the
-        tensors after it are not loaded)."""
+        """Receive the chunk's tensors (posted by the previous chunk when it announced this one), while the next
+        chunk's receives (`next`) run behind them; then check the chunk's digest (TamperedWeights) and that every
+        tensor is finite in the served dtype (NonFiniteWeights, naming the first bad one), and load it: a chunk
+        that fails a check is received whole and none of it is loaded."""
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized (init_weight_transfer_engine first)")
         specs = update_info.specs()
         if self._ahead is not None:
-            announced, tensors, works = self._ahead
+            announced, tensors, received = self._ahead
             self._ahead = None
             if announced != specs:
                 self.shutdown()  # receives are posted for other tensors: the group is out of step
                 raise RuntimeError("the chunk is not the one the previous chunk announced; the group is dropped")
         else:
-            tensors, works = self._post_all(specs)
+            tensors, received = self._post_all(specs)
         if update_info.next and not update_info.discard:
             following = update_info.next_specs()
             self._ahead = (following, *self._post_all(following))
-        bad: list[str] = []
+        digest = received.result()  # every receive of the chunk completed
+        if update_info.discard:
+            return
+        check_digest(digest, update_info.digest, specs)
+        served = served_dtype(self)
+        for (name, _, _), t in zip(specs, tensors, strict=True):
+            if not is_finite(t, served):
+                raise NonFiniteWeights(f"tensor {name!r} holds NaN or inf values (in its dtype or the served "
+                                       f"{served}); none of the chunk was loaded")
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        def arrived() -> Iterator[tuple[str, torch.Tensor]]:
-            for (name, _, _), t, work in zip(specs, tensors, works, strict=True):
-                work.wait()
-                if update_info.discard or bad:
-                    continue
-                if is_finite(t):
-                    yield name, t
-                else:
-                    bad.append(name)
-
-        stream = arrived()
-        if not update_info.discard:
-            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-            with disable_mtp_completeness_check():
-                self.model.load_weights(stream)
-        for _ in stream:  # whatever was not loaded is still received
-            pass
-        if bad:
-            raise NonFiniteWeights(f"tensor {bad[0]!r} holds NaN or inf values")
+        with disable_mtp_completeness_check():
+            self.model.load_weights(iter([(name, t) for (name, _, _), t in zip(specs, tensors, strict=True)]))
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -262,7 +297,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             self.in_update = False
 
     def shutdown(self) -> None:
-        group, self.group, self._ahead = self.group, None, None
+        group, self.group, self._ahead, self.secret = self.group, None, None, ""
         if group is not None:
             try:
                 group.shutdown()
@@ -281,6 +316,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.group: Any = None
         self.port = 0
+        self.secret = ""  # this group's, drawn in trainer_init; reaches the workers only through `client`
         self.last_stats: dict[str, float] = {}  # of the last send: bytes, groups, peak_held_bytes
 
     @classmethod
@@ -291,16 +327,20 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if not engine.is_sender:
             return engine
-        listen = socket.create_server((init_info.master_address, init_info.master_port))
+        # bound to the given address only (an IPv6 one too), never every interface
+        family = socket.AF_INET6 if ":" in init_info.master_address else socket.AF_INET
+        listen = socket.create_server((init_info.master_address, init_info.master_port), family=family)
         engine.port = listen.getsockname()[1]
+        engine.secret = new_secret()
         worker_info = {"master_address": init_info.master_address, "master_port": engine.port, "rank_offset": 1,
-                       "world_size": init_info.world_size, "timeout_s": init_info.timeout_s}
+                       "world_size": init_info.world_size, "timeout_s": init_info.timeout_s,
+                       "secret": engine.secret}
         joined: list[Any] = []
 
         def join() -> None:
             try:
                 joined.append(_join(init_info.master_address, engine.port, 0, init_info.world_size,
-                                    init_info.timeout_s, listen=listen))
+                                    init_info.timeout_s, engine.secret, listen=listen))
             except BaseException as e:  # noqa: BLE001 - reported below
                 joined.append(e)
 
@@ -325,7 +365,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def send(self, weight_version: str | None = None) -> None:
         """start -> one update_weights per layerwise group, concurrent with its broadcast -> finish. Pipelined:
         group g's broadcasts are posted before group g-1's update returns (the workers posted g's receives when
-        g-1 announced it), so g travels while the workers load g-1. Every rank iterates the whole source even
+        g-1 announced it), so g travels while the workers load g-1; g's digest is computed while it travels, and
+        goes with g's update_weights. Every rank iterates the whole source even
         after an error (the others are in its gathers); the error is raised after."""
         assert self.source is not None
         source = self.source
@@ -356,11 +397,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     continue
                 try:
                     info = chunk(g) | {"next": chunk(g + 1) if g + 1 < len(order) else None}
-                    if previous is None:
-                        call = rpc.submit(self.client.update_weights, info)
                     # detached: the live parameters' storage, outside autograd (a broadcast is no op of the graph)
                     tensors = [t.detach().contiguous() for t in tensors]
                     works = [_post(self.group, t) for t in tensors]
+                    info["digest"] = chunk_digest(self.secret, _specs(info["names"], info["dtype_names"],
+                                                                      info["shapes"]), tensors)
+                    if previous is None:
+                        call = rpc.submit(self.client.update_weights, info)
                     held = max(held, nbytes + (previous[3] if previous is not None else 0))
                     if previous is not None:
                         previous[0].result()  # the workers loaded g-1 (and posted g's receives before)
@@ -388,7 +431,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.client.finish_weight_update(weight_version)
 
     def shutdown(self) -> None:
-        group, self.group = self.group, None
+        group, self.group, self.secret = self.group, None, ""
         if group is not None:
             try:
                 group.shutdown()

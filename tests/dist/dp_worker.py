@@ -8,7 +8,7 @@ and of the updated weights to argv[1], with the kept-token flags of both (`kept_
 returned for the guard cases (an inf gradient on rank 1 only, a stop on rank 0 only, an inf weight in rank 1's
 shard).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist/dp_worker.py OUT.json [CKPT_DIR]
+    python -m forkrl.launch --nproc-per-node 2 tests/dist/dp_worker.py OUT.json [CKPT_DIR]
 
 With CKPT_DIR, the first case also writes the 1-rank result (ref/) and the FSDP2 result gathered on rank 0
 (fsdp/, `save_full_pretrained`) as HF checkpoints.

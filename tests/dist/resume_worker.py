@@ -2,8 +2,8 @@
 step 3. Run by tests/dist/test_resume_across_ranks.py, under torchrun for N > 1, plain python for 1.
 
     # OUT JOB...; a job is MODE:RUN:TAG (train a fresh run OUT/RUN, or resume it), run one after the other
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist/resume_worker.py OUT train:run2:t2
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist/resume_worker.py OUT resume:run2:r22
+    python -m forkrl.launch --nproc-per-node 2 tests/dist/resume_worker.py OUT train:run2:t2
+    python -m forkrl.launch --nproc-per-node 2 tests/dist/resume_worker.py OUT resume:run2:r22
     python tests/dist/resume_worker.py OUT train:run1:t1 resume:run2:r21           # 1 rank; 2 -> 1
 
 It drives the same code the trainer runs (load_policy, Policy.set_lr / update / save) on the embedded tiny

@@ -65,7 +65,7 @@ def two_rank_result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Pat
     tmp = tmp_path_factory.mktemp("dp")
     out, ckpt = tmp / "result.json", tmp / "ckpt"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "forkrl.launch", "--nproc-per-node", "2",
            str(REPO / "tests/dist/dp_worker.py"), str(out), str(ckpt)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]

@@ -32,7 +32,7 @@ def test_sigkill_of_torchrun_ends_every_rank(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    torchrun = [sys.executable, "-m", "forkrl.launch", "--nproc-per-node", "2"]
     agent = subprocess.Popen([*torchrun, str(script), str(tmp_path)], env=env, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -54,7 +54,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.isolated]  # it launches its own pro
 
 def _launch(out: Path, ranks: int, *jobs: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] \
+    launcher = [sys.executable, "-m", "forkrl.launch", "--nproc-per-node", str(ranks)] \
         if ranks > 1 else [sys.executable]
     proc = subprocess.run([*launcher, WORKER, str(out), *jobs], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)

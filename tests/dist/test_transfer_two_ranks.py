@@ -1,7 +1,9 @@
 """A 2-rank FSDP2 trainer (torchrun, gloo, CPU) pushes through the gloo weight-transfer backend into a real vLLM
 rollout service: tests/dist/transfer_worker.py. Rank 0 broadcasts each layerwise group as both ranks gather it
 (the model is never gathered whole for the push), the service serves version 1, and its log-probs equal the
-pushed weights' teacher-forced log-probs within the float32 bound of tests/numerics.py."""
+pushed weights' teacher-forced log-probs within the float32 bound of tests/numerics.py. Launched by forkrl.launch
+(torchrun, one node): during the whole run no process of it (torchrun's agent, the ranks, the rollout service and
+vLLM's engine processes) listens on 0.0.0.0 or [::] (tests/listeners.py reads /proc)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from itertools import pairwise
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from forkrl.remote.rollout import RolloutClient
+from tests.listeners import descendants, listening, on_every_interface
 from tests.numerics import logprob_parity
 from tests.service_fixtures import REPO_ROOT, start_rollout_service
 
@@ -30,11 +34,24 @@ def test_a_two_rank_fsdp2_trainer_pushes_layer_by_layer(tiny_model_dir: Path, tm
     with start_rollout_service(tiny_model_dir, seed=0, kv_cache_gib=1, staging_dir=tmp_path / "staging",
                                log_path=tmp_path / "rollout.log") as address:
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        cmd = [sys.executable, "-m", "forkrl.launch", "--nproc-per-node", "2",
                str(REPO_ROOT / "tests/dist/transfer_worker.py"), address, str(tiny_model_dir), str(tmp_path)]
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
-                              stdin=subprocess.DEVNULL)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+        log = tmp_path / "torchrun.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+            seen: set[tuple[int, str, str, int]] = set()
+            deadline = time.monotonic() + 600
+            while proc.poll() is None and time.monotonic() < deadline:
+                seen |= listening(descendants(os.getpid()))  # torchrun, its ranks, the service and vLLM's
+                time.sleep(0.2)
+            if proc.poll() is None:
+                proc.kill()
+            assert proc.wait() == 0, log.read_text()[-8000:]
+        assert [s for s in seen if on_every_interface(s[2])] == []
+        # what the sampling saw: the rendezvous store (torchrun's agent), the ranks' own sockets, the transfer's
+        names = {name for _, name, _, _ in seen}
+        assert "pt_elastic" in names and len({pid for pid, _, _, _ in seen}) >= 4, seen
         report = json.loads((tmp_path / "report.json").read_text())
         pushed = load_file(str(tmp_path / "pushed.safetensors"))
         with RolloutClient(address) as client:

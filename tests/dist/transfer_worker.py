@@ -1,7 +1,7 @@
 """One rank of tests/dist/test_transfer_two_ranks.py: a 2-rank FSDP2 trainer pushing through the gloo
 weight-transfer backend (torchrun, gloo, CPU).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist/transfer_worker.py ADDRESS MODEL OUT
+    python -m forkrl.launch --nproc-per-node 2 tests/dist/transfer_worker.py ADDRESS MODEL OUT
 
 Every rank loads the model, perturbs it with the same seed and shards it (`fully_shard` per decoder layer + root).
 Rank 0 writes the full state (gathered) to OUT/pushed.safetensors, then pushes with the trainer's own code

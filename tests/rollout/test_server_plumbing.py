@@ -42,6 +42,7 @@ from tests.service_fixtures import REPO_ROOT, wait_until
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 MODEL = {"embed.weight": torch.randn(50, 8), "norm.weight": torch.ones(8)}
 MODEL_BYTES = sum(v.numel() * 4 for v in MODEL.values())  # 1632
+SECRET = "3c" * 32  # a weight-transfer group's secret (forkrl/weights/transfer_gloo.py)
 
 
 class FakeBackend:
@@ -69,6 +70,7 @@ class FakeBackend:
         self.sample_gate: asyncio.Event | None = None
         self.reload_gate: asyncio.Event | None = None
         self.fail_reload: Exception | None = None
+        self.fail_update: Exception | None = None  # raised by the next weight-transfer chunk (then cleared)
         self.dead = False
         self.transfer_calls: list[tuple[str, Any]] = []  # vLLM's weight-transfer API, in call order
 
@@ -114,6 +116,9 @@ class FakeBackend:
 
     async def update_weights(self, update_info: dict) -> None:
         self.transfer_calls.append(("update", update_info))
+        error, self.fail_update = self.fail_update, None
+        if error is not None:
+            raise error
 
     async def finish_weight_update(self, version: int, before_resume: Any) -> None:
         self.transfer_calls.append(("finish", version))
@@ -784,7 +789,7 @@ def test_a_weight_transfer_session_commits_only_a_whole_model(own_server: Server
     backend = own_server.backend
     assert backend is not None
     with RolloutClient(own_server.address, timeout_s=120) as c:
-        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)
+        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1, secret=SECRET)
         assert backend.transfer_calls[-1][1]["rank_offset"] == 1 and backend.transfer_calls[-1][1]["timeout_s"] == 300
         c.start_weight_update("run-a", 1)
         assert c.info().lease_run_id == "run-a"
@@ -793,14 +798,15 @@ def test_a_weight_transfer_session_commits_only_a_whole_model(own_server: Server
                                                                     [[50, 8]]))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "sent twice" in msg  # the refusal ends the session
         assert backend.transfer_calls[-3:] == [("update", {"names": ["embed.weight"], "dtype_names": ["float32"],
-                                                           "shapes": [[50, 8]], "discard": True}), ("abort", None),
+                                                           "shapes": [[50, 8]], "digest": "", "discard": True}),
+                                               ("abort", None),
                                                ("shutdown", None)]  # the group is left: receives may be posted
         assert c.health() == NOT_SERVING and c.info().version == 0  # a chunk had reached the engine
         code, msg = _code_and_message(lambda: list(c.generate([[1]], n=1, max_new_tokens=1, timeout_s=60)))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "ended half-way" in msg
         code, msg = _code_and_message(lambda: c.start_weight_update("run-a", 1))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "InitWeightTransfer first" in msg
-        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)
+        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1, secret=SECRET)
         c.start_weight_update("run-a", 1)
         c.update_weight_chunk("run-a", 1, ["embed.weight"], ["float32"], [[50, 8]],
                               next={"names": ["norm.weight"], "dtype_names": ["float32"], "shapes": [[8]]})
@@ -808,7 +814,7 @@ def test_a_weight_transfer_session_commits_only_a_whole_model(own_server: Server
                                                          "shapes": [[8]]}
         code, msg = _code_and_message(lambda: c.finish_weight_update("run-a", 1))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "lacks 1 tensor(s) of the served model: norm.weight" in msg
-        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)
+        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1, secret=SECRET)
         c.start_weight_update("run-a", 1)
         for name, shape in (("embed.weight", [50, 8]), ("norm.weight", [8])):
             c.update_weight_chunk("run-a", 1, [name], ["float32"], [shape])
@@ -835,11 +841,12 @@ def test_an_abandoned_weight_transfer_session_ends_and_generation_resumes(model_
         backend = s.backend
         assert backend is not None
         with RolloutClient(s.address, timeout_s=120) as c:
-            c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)
+            c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1, secret=SECRET)
             c.start_weight_update("run-a", 1)
             wait_until(lambda: ("abort", None) in backend.transfer_calls, 120, "the empty session to end")
             wait_until(lambda: c.health() == SERVING, 120, "SERVING again")  # nothing reached the engine
-            c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1)  # the session's end left the group
+            # the session's end left the group
+            c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1, secret=SECRET)
             c.start_weight_update("run-a", 1)
             c.update_weight_chunk("run-a", 1, ["norm.weight"], ["float32"], [[8]])
             wait_until(lambda: backend.transfer_calls.count(("abort", None)) == 2, 120, "the abandoned session to end")
@@ -850,3 +857,58 @@ def test_an_abandoned_weight_transfer_session_ends_and_generation_resumes(model_
             assert c.health() == SERVING
     finally:
         s.stop()
+
+
+def test_a_gloo_group_needs_its_secret_and_each_chunk_carries_its_digest(own_server: ServerThread):
+    """InitWeightTransfer without the group's secret is refused naming it; the secret reaches the engine's init and
+    each chunk's digest its update. A chunk the workers refused before loading (its digest differs: altered on the
+    weight channel) as the push's first: the old weights serve on; after a chunk that loaded: broken until a push."""
+    backend = own_server.backend
+    assert backend is not None
+    with RolloutClient(own_server.address, timeout_s=120) as c:
+        for bad in ("", "ab" * 16, "XY" * 32):
+            code, msg = _code_and_message(lambda b=bad: c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500,
+                                                                               2, 1, secret=b))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "secret must be" in msg, msg
+        assert backend.transfer_calls == []
+        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1, secret=SECRET)
+        assert backend.transfer_calls[-1][1]["secret"] == SECRET
+        c.start_weight_update("run-a", 1)
+        backend.fail_update = ValueError("the chunk of 1 tensor(s) from 'embed.weight' does not match the digest "
+                                         "the trainer sent (altered or injected on the weight channel)")
+        code, msg = _code_and_message(lambda: c.update_weight_chunk("run-a", 1, ["embed.weight"], ["float32"],
+                                                                    [[50, 8]], digest="d1" * 32))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "the old weights serve on" in msg, msg
+        assert backend.transfer_calls[-3][1]["digest"] == "d1" * 32
+        assert c.health() == SERVING and c.info().version == 0  # nothing of it was loaded
+        c.init_weight_transfer("run-a", "gloo", "127.0.0.1", 29500, 2, 1, secret=SECRET)
+        c.start_weight_update("run-a", 1)
+        c.update_weight_chunk("run-a", 1, ["embed.weight"], ["float32"], [[50, 8]], digest="d2" * 32)
+        backend.fail_update = ValueError("the chunk of 1 tensor(s) from 'norm.weight' does not match the digest")
+        code, msg = _code_and_message(lambda: c.update_weight_chunk("run-a", 1, ["norm.weight"], ["float32"], [[8]],
+                                                                    digest="d3" * 32))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "broken until a push" in msg, msg
+        assert c.health() == NOT_SERVING and c.info().version == 0  # the first chunk had loaded: a mix
+
+
+def test_a_value_beyond_the_served_float16_range_is_refused_on_the_stream_and_path_routes(
+        tmp_path: Path, client: RolloutClient, server: ServerThread):
+    """7e4 is finite in float32 and inf in float16: a float16-served model refuses it on UpdateWeights (the gRPC
+    stream) and LoadWeights (a path, as the shm route sends), naming the tensor; the version stays."""
+    assert server.backend is not None
+    settings = server.backend.engine_settings
+    version = client.info().version
+    state = {k: v.clone() for k, v in MODEL.items()}
+    state["norm.weight"][5] = 7e4
+    save_file(state, str(tmp_path / "model.safetensors"))
+    settings["served_dtype"] = "float16"
+    try:
+        code, msg = _code_and_message(lambda: client.update_weights(state, version + 1))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "'norm.weight' holds NaN or inf" in msg, msg
+        assert "float16" in msg
+        code, msg = _code_and_message(lambda: client.load_weights(str(tmp_path), version + 1))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "'norm.weight' holds NaN or inf" in msg, msg
+        assert client.info().version == version and client.health() == SERVING
+    finally:
+        del settings["served_dtype"]
+    assert client.load_weights(str(tmp_path), version + 1) == version + 1  # served in float32: finite

@@ -6,7 +6,8 @@ between hosts. What is checked: the served log-probs equal the pushed weights' t
 float32 bound of tests/numerics.py (and no longer the old weights'), the version; a push with samples in flight
 (each sample's tokens from the old weights up to one point and the new ones after it, both versions reported);
 the refusals (wrong version, another run's lease, a chunk outside a session, a chunk naming no tensor of the model,
-an inf in a tensor) and a trainer that dies mid-push (the session ends after --transfer-timeout-s without a call:
+an inf in a tensor), an intruder on the weight channel (a chunk altered on the wire: refused before loading) and
+a trainer that dies mid-push (the session ends after --transfer-timeout-s without a call:
 generation resumes, the weights are reported broken until a good push).
 
 Order independence: tests that change the served weights push the base model back (`restores_base_weights`) with
@@ -32,7 +33,7 @@ from safetensors.torch import load_file
 from forkrl.remote.rollout import RolloutClient, RolloutWeightSync
 from forkrl.wire.rollout.v1 import rollout_pb2 as pb
 from tests.numerics import float32_logprob_bound, logprob_parity, reference_logprobs
-from tests.rollout.transfer_trainer import INF_TENSOR
+from tests.rollout.transfer_trainer import INF_TENSOR, TAMPER_TENSOR
 from tests.service_fixtures import REPO_ROOT, ServiceAddress, start_rollout_service, wait_until
 
 pytestmark = pytest.mark.slow
@@ -188,7 +189,7 @@ def test_refusals_leave_the_old_weights_serving(client: RolloutClient, base, res
     """Wrong version, another run, a chunk outside a session, a chunk naming no tensor of the served model (its
     tensors are still received, so the sender's broadcast completes), a wrong backend: each refused with its code,
     and the old weights serve on (no chunk reached the model)."""
-    from forkrl.training.rollouts import lockstep_source
+    from forkrl.training.transfer_route import lockstep_source
     from forkrl.weights.transfer_gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine, _broadcast
 
     client.update_weights(base[0].state_dict(), client.info().version + 1, run_id=RUN)  # RUN holds the lease
@@ -292,3 +293,31 @@ def test_a_trainer_that_dies_mid_push_leaves_the_engine_running_and_the_weights_
     assert "abandoned" in Path(service.log_path).read_text()
     good = trainer(service, tiny_model_dir, tmp_path / "good.safetensors", seed=6)
     assert good.get("version") == version + 1 and client.health() == SERVING
+
+
+def test_an_intruder_on_the_weight_channel_gets_nothing_loaded(
+        service: ServiceAddress, client: RolloutClient, tiny_model_dir: Path, base, tmp_path: Path,
+        restores_base_weights) -> None:
+    """During a real push, a store client with no credentials finds neither the group's secret nor a chunk's digest
+    in the rendezvous store, and a chunk altered between the sender's digest and the socket is refused by the
+    worker before any of it loads: the push fails, the old weights serve on (their log-probs), and the trainer's
+    next push (a new group, a new secret) serves the trainer's weights."""
+    version = client.info().version
+    report = trainer(service, tiny_model_dir, tmp_path / "tampered.safetensors", mode="tamper", seed=4)
+    seen = report["intruder"]
+    assert seen["altered"] == TAMPER_TENSOR and seen["keys"], report  # it reached the store during the push
+    assert report.get("code") == "FAILED_PRECONDITION" and "does not match the digest" in report["details"], report
+    assert not seen["secret_in_store"] and not seen["digest_in_store"], report
+    assert "the old weights serve on" in report["details"] and report["health"] == SERVING
+    assert client.info().version == version and client.health() == SERVING
+    trajs = list(client.generate(PROMPTS, n=4, temperature=1.0, max_new_tokens=24, seed=9))
+    assert {t.policy_version for t in trajs} == {version}
+    worst, bound = parity(trajs, *base, 1.0)
+    assert worst <= bound  # nothing of the altered chunk, nor of any after it, was loaded
+    good = trainer(service, tiny_model_dir, tmp_path / "good.safetensors", seed=4)
+    assert good.get("version") == version + 1, good
+    pushed = load_file(str(tmp_path / "good.safetensors"))
+    trajs = list(client.generate(PROMPTS, n=4, temperature=1.0, max_new_tokens=24, seed=9))
+    worst, bound = parity(trajs, _model(tiny_model_dir, torch.float32, pushed),
+                          _model(tiny_model_dir, torch.float64, pushed), 1.0)
+    assert worst <= bound

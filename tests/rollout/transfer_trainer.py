@@ -3,7 +3,7 @@ gloo weight-transfer backend (forkrl/weights/transfer_gloo.py), with the trainer
 --weight-sync transfer), from a process of its own.
 
     python -m tests.rollout.transfer_trainer --address HOST:PORT --model DIR --out pushed.safetensors \\
-        --mode all|head|inf|abandon|die-mid-send --seed 1 --run-id RUN [--device cuda]
+        --mode all|head|inf|abandon|die-mid-send|tamper --seed 1 --run-id RUN [--device cuda]
 
 It writes the weights it pushes to --out first (the test's reference), then prints one JSON line: {"version": the
 service's version after the push} or {"code": the gRPC status, "details": ...}. Modes: all = every tensor
@@ -11,6 +11,10 @@ perturbed; head = only lm_head.weight changed; inf = `all` with an inf in one te
 process exits right after the first chunk (a trainer that dies mid-push); die-mid-send = `all`, but the process
 exits half-way through the model's parameters, while the broadcast is in flight (with nccl the whole model is one
 chunk: scripts/gpu_check.sh uses it with --device cuda). --device: where the model is (cuda: the nccl transfer).
+tamper = `all`, played with an intruder on the weight channel: a store client (no secret) lists and reads the
+rendezvous store during the push, and one element of TAMPER_TENSOR (in the first chunk) is altered between the
+sender's digest and the socket, as a forged or altered packet would be; the report adds {"intruder": what the store
+client saw, "health": after the push}.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import grpc
 import torch
 
 INF_TENSOR = "model.layers.1.mlp.down_proj.weight"
+TAMPER_TENSOR = "model.embed_tokens.weight"
 
 
 def main() -> int:
@@ -34,7 +39,7 @@ def main() -> int:
     p.add_argument("--address", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=["all", "head", "inf", "abandon", "die-mid-send"], default="all")
+    p.add_argument("--mode", choices=["all", "head", "inf", "abandon", "die-mid-send", "tamper"], default="all")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--run-id", default="transfer-test")
@@ -90,6 +95,9 @@ def main() -> int:
         rollouts_mod.lockstep_source = dying_source  # type: ignore[assignment]
     model.to(args.device)
 
+    intruder: dict = {}
+    if args.mode == "tamper":
+        intruder = tamper(model)
     rollouts = Rollouts([args.address], run_id=args.run_id)  # the token: FORKRL_TOKEN of the environment
     try:
         rollouts.push(model, 1, "transfer", Path(tempfile.gettempdir()))
@@ -103,9 +111,58 @@ def main() -> int:
     except grpc.RpcError as e:
         out = {"code": e.code().name, "details": e.details()}
     finally:
+        if intruder:
+            out |= {"intruder": {k: v for k, v in intruder.items() if k != "secret"},
+                    "health": rollouts.clients[0].health()}
         rollouts.close()
     print(json.dumps(out), flush=True)
     return 0
+
+
+def tamper(model: torch.nn.Module) -> dict:
+    """The intruder of --mode tamper (see the module docstring); returns the dict it fills."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from forkrl.remote.rollout import RolloutWeightSync
+    from forkrl.weights import transfer_gloo
+
+    seen: dict = {}
+    target = model.get_parameter(TAMPER_TENSOR).data_ptr()
+    forged: list[torch.Tensor] = []  # alive until the broadcast is through
+    post, init, update = transfer_gloo._post, RolloutWeightSync.init_weight_transfer_engine, \
+        RolloutWeightSync.update_weights
+
+    def altered_post(group, tensor):  # noqa: ANN001, ANN202
+        if tensor.data_ptr() == target:
+            forged.append(tensor.clone())
+            forged[-1].view(-1)[0] += 1.0
+            seen["altered"] = TAMPER_TENSOR
+            return post(group, forged[-1])
+        return post(group, tensor)
+
+    def spied_init(self, init_info):  # noqa: ANN001, ANN202
+        seen["address"] = [init_info["master_address"], init_info["master_port"]]
+        seen["secret"] = init_info.get("secret", "")  # the trainer's own, to search the store for
+        return init(self, init_info)
+
+    def spied_update(self, update_info):  # noqa: ANN001, ANN202
+        if "keys" not in seen:  # during the push: a store client with no credentials
+            store = TCPStore(seen["address"][0], seen["address"][1], is_master=False,
+                             timeout=datetime.timedelta(seconds=10))
+            keys = store.list_keys()
+            values = [store.get(k).hex() for k in keys]
+            seen["keys"] = keys
+            secrets = [s for s in (seen["secret"], update_info.get("digest", "")) if s]
+            seen["secret_in_store"] = any(s in x for s in secrets[:1] for x in [*keys, *values])
+            seen["digest_in_store"] = any(s in x for s in secrets[1:] for x in [*keys, *values])
+        return update(self, update_info)
+
+    transfer_gloo._post = altered_post
+    RolloutWeightSync.init_weight_transfer_engine = spied_init  # type: ignore[method-assign]
+    RolloutWeightSync.update_weights = spied_update  # type: ignore[method-assign]
+    return seen
 
 
 if __name__ == "__main__":

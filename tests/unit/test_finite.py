@@ -31,3 +31,14 @@ def test_first_nonfinite_names_the_first_bad_tensor() -> None:
     assert first_nonfinite([("a", a), ("b", b)]) is None
     b[1], c[0] = float("nan"), float("inf")
     assert first_nonfinite([("a", a), ("b", b), ("c", c)]) == "b"
+
+
+@pytest.mark.parametrize("value", [7e4, -7e4, 65520.0])
+def test_a_value_finite_in_float32_but_not_in_the_served_float16_is_refused(value: float) -> None:
+    t = torch.ones(4)
+    t[2] = value
+    assert is_finite(t) and not torch.isfinite(t.to(torch.float16)).all()  # what the model's cast would make
+    assert not is_finite(t, torch.float16)
+    assert is_finite(t, torch.float32) and is_finite(t, torch.bfloat16)
+    assert first_nonfinite([("a", torch.ones(2)), ("w", t)], torch.float16) == "w"
+    assert is_finite(torch.full((3,), torch.finfo(torch.float16).max), torch.float16)  # the largest one is fine

@@ -89,7 +89,8 @@ def _program(cmd: list[str]) -> tuple[tuple[str, ...], list[str]] | None:
     if not words:
         return None
     exe = Path(words[0]).name
-    if exe == "torchrun" or (exe.startswith("python") and words[1:3] == ["-m", "torch.distributed.run"]):
+    if exe == "torchrun" or (exe.startswith("python") and words[1:3] in (["-m", "torch.distributed.run"],
+                                                                         ["-m", "forkrl.launch"])):
         if "-m" not in words[1:] or words.index("-m") + 1 >= len(words):
             return None
         i = len(words) - 1 - words[::-1].index("-m")

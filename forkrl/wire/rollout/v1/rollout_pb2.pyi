@@ -247,7 +247,7 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self, released_run_id: _Optional[str] = ...) -> None: ...
 
 class InitWeightTransferRequest(_message.Message):
-    __slots__ = ("run_id", "backend", "master_address", "master_port", "world_size", "rank_offset", "packed", "packed_buffer_size_bytes", "packed_num_buffers")
+    __slots__ = ("run_id", "backend", "master_address", "master_port", "world_size", "rank_offset", "packed", "packed_buffer_size_bytes", "packed_num_buffers", "secret")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,7 @@ class InitWeightTransferRequest(_message.Message):
     PACKED_FIELD_NUMBER: _ClassVar[int]
     PACKED_BUFFER_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PACKED_NUM_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     backend: str
     master_address: str
@@ -266,7 +267,8 @@ class InitWeightTransferRequest(_message.Message):
     packed: bool
     packed_buffer_size_bytes: int
     packed_num_buffers: int
-    def __init__(self, run_id: _Optional[str] = ..., backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., packed: _Optional[bool] = ..., packed_buffer_size_bytes: _Optional[int] = ..., packed_num_buffers: _Optional[int] = ...) -> None: ...
+    secret: str
+    def __init__(self, run_id: _Optional[str] = ..., backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., packed: _Optional[bool] = ..., packed_buffer_size_bytes: _Optional[int] = ..., packed_num_buffers: _Optional[int] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class InitWeightTransferResponse(_message.Message):
     __slots__ = ()
@@ -291,7 +293,7 @@ class TensorShape(_message.Message):
     def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateWeightChunkRequest(_message.Message):
-    __slots__ = ("run_id", "target_version", "names", "dtype_names", "shapes", "next_names", "next_dtype_names", "next_shapes")
+    __slots__ = ("run_id", "target_version", "names", "dtype_names", "shapes", "next_names", "next_dtype_names", "next_shapes", "digest")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +302,7 @@ class UpdateWeightChunkRequest(_message.Message):
     NEXT_NAMES_FIELD_NUMBER: _ClassVar[int]
     NEXT_DTYPE_NAMES_FIELD_NUMBER: _ClassVar[int]
     NEXT_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     target_version: int
     names: _containers.RepeatedScalarFieldContainer[str]
@@ -308,7 +311,8 @@ class UpdateWeightChunkRequest(_message.Message):
     next_names: _containers.RepeatedScalarFieldContainer[str]
     next_dtype_names: _containers.RepeatedScalarFieldContainer[str]
     next_shapes: _containers.RepeatedCompositeFieldContainer[TensorShape]
-    def __init__(self, run_id: _Optional[str] = ..., target_version: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., dtype_names: _Optional[_Iterable[str]] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., next_names: _Optional[_Iterable[str]] = ..., next_dtype_names: _Optional[_Iterable[str]] = ..., next_shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ...) -> None: ...
+    digest: str
+    def __init__(self, run_id: _Optional[str] = ..., target_version: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., dtype_names: _Optional[_Iterable[str]] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., next_names: _Optional[_Iterable[str]] = ..., next_dtype_names: _Optional[_Iterable[str]] = ..., next_shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightChunkResponse(_message.Message):
     __slots__ = ()
