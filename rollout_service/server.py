@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -67,6 +68,26 @@ def _status(e: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, "the inference engine died; the rollout service must be restarted"
     log.error("internal error", exc_info=e)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}); see the rollout service log"
+
+
+R = TypeVar("R")
+
+
+def _mapped(rpc: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """An RPC whose errors end the call with the status `_status` gives them (INTERNAL only for a bug, logged); a
+    cancelled call is re-raised (the client went away). Generate maps its own: it is a stream."""
+
+    @functools.wraps(rpc)
+    async def call(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await rpc(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await context.abort(*_status(e))
+            raise AssertionError("unreachable: context.abort raises") from e
+
+    return call
 
 
 def trajectory(s: Sample) -> pb.Trajectory:
@@ -175,74 +196,61 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         except Exception as e:
             await context.abort(*_status(e))
 
+    @_mapped
     async def UpdateWeights(
         self, request_iterator: AsyncIterator[pb.UpdateWeightsRequest], context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
-        try:
-            engine = self._ready()
-            first = await anext(request_iterator, None)
-            if first is None or first.WhichOneof("part") != "header":
-                engine.counters.rejected_weight_updates += 1
-                raise InvalidArgument("the first UpdateWeights message must be the header")
-            h = first.header
-            metas = [
-                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes} for t in h.tensors
-            ]
+        engine = self._ready()
+        first = await anext(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            engine.counters.rejected_weight_updates += 1
+            raise InvalidArgument("the first UpdateWeights message must be the header")
+        h = first.header
+        metas = [
+            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes} for t in h.tensors
+        ]
 
-            async def chunks() -> AsyncIterator[bytes]:
-                received = 0
-                async for msg in request_iterator:
-                    if msg.WhichOneof("part") != "chunk":
-                        raise InvalidArgument(f"a second header arrived after {received} payload bytes")
-                    received += len(msg.chunk)
-                    yield msg.chunk
+        async def chunks() -> AsyncIterator[bytes]:
+            received = 0
+            async for msg in request_iterator:
+                if msg.WhichOneof("part") != "chunk":
+                    raise InvalidArgument(f"a second header arrived after {received} payload bytes")
+                received += len(msg.chunk)
+                yield msg.chunk
 
-            r = await engine.update_weights(h.target_version, metas, h.total_bytes, h.sha256, chunks(), h.run_id)
-            return pb.UpdateWeightsResponse(
-                version=r.version, receive_s=r.receive_s, apply_s=r.apply_s,
-                bytes_received=r.bytes_received, drain_s=r.drain_s,
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            await context.abort(*_status(e))
+        r = await engine.update_weights(h.target_version, metas, h.total_bytes, h.sha256, chunks(), h.run_id)
+        return pb.UpdateWeightsResponse(
+            version=r.version, receive_s=r.receive_s, apply_s=r.apply_s,
+            bytes_received=r.bytes_received, drain_s=r.drain_s,
+        )
 
+    @_mapped
     async def LoadWeights(
         self, request: pb.LoadWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadWeightsResponse:
-        try:
-            engine = self._ready()
-            path = request.path
-            if path:  # read only inside the allowed roots ('..' refused, symlinks followed)
-                try:
-                    path = str(confine_path(path, self.settings.load_roots(), "path", LOAD_ROOTS))
-                except OutsideRoots as e:
-                    engine.counters.rejected_weight_updates += 1
-                    raise PermissionDenied(str(e)) from None
-                except ValueError as e:
-                    engine.counters.rejected_weight_updates += 1
-                    raise InvalidArgument(str(e)) from None
-            r = await engine.load_weights(path, request.target_version, request.run_id)
-            return pb.LoadWeightsResponse(version=r.version, apply_s=r.apply_s, drain_s=r.drain_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            await context.abort(*_status(e))
+        engine = self._ready()
+        path = request.path
+        if path:  # read only inside the allowed roots ('..' refused, symlinks followed)
+            try:
+                path = str(confine_path(path, self.settings.load_roots(), "path", LOAD_ROOTS))
+            except OutsideRoots as e:
+                engine.counters.rejected_weight_updates += 1
+                raise PermissionDenied(str(e)) from None
+            except ValueError as e:
+                engine.counters.rejected_weight_updates += 1
+                raise InvalidArgument(str(e)) from None
+        r = await engine.load_weights(path, request.target_version, request.run_id)
+        return pb.LoadWeightsResponse(version=r.version, apply_s=r.apply_s, drain_s=r.drain_s)
 
+    @_mapped
     async def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseLeaseResponse:
-        try:
-            holder = self._ready().release_lease(request.run_id, request.force)
-        except Exception as e:
-            await context.abort(*_status(e))
-        return pb.ReleaseLeaseResponse(released_run_id=holder)
+        return pb.ReleaseLeaseResponse(released_run_id=self._ready().release_lease(request.run_id, request.force))
 
+    @_mapped
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
-        try:
-            info = self._ready().info()
-        except Exception as e:
-            await context.abort(*_status(e))
+        info = self._ready().info()
         eng = info["engine"]
         return pb.GetInfoResponse(
             model=info["model"],
@@ -268,90 +276,66 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
 
     # ----------------------------------------------------------- weight transfer (rollout_service/transfer.py)
+    @_mapped
     async def InitWeightTransfer(
         self, request: pb.InitWeightTransferRequest, context: grpc.aio.ServicerContext
     ) -> pb.InitWeightTransferResponse:
-        try:
-            engine = self._ready()
-            backend = engine.transfer.backend_name
-            if request.backend != backend:
-                raise InvalidArgument(f"backend must be this service's weight-transfer backend {backend!r}, got "
-                                      f"{request.backend!r}")
-            info: dict[str, Any] = {"master_address": request.master_address, "master_port": request.master_port,
-                                    "rank_offset": request.rank_offset, "world_size": request.world_size}
-            if backend == "gloo":
-                info["secret"] = request.secret
-            if backend == "nccl":
-                info["packed"] = request.packed
-                if request.packed_buffer_size_bytes:
-                    info["packed_buffer_size_bytes"] = request.packed_buffer_size_bytes
-                if request.packed_num_buffers:
-                    info["packed_num_buffers"] = request.packed_num_buffers
-            await engine.transfer.init(request.run_id, info)
-            return pb.InitWeightTransferResponse()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            await context.abort(*_status(e))
+        engine = self._ready()
+        backend = engine.transfer.backend_name
+        if request.backend != backend:
+            raise InvalidArgument(f"backend must be this service's weight-transfer backend {backend!r}, got "
+                                  f"{request.backend!r}")
+        info: dict[str, Any] = {"master_address": request.master_address, "master_port": request.master_port,
+                                "rank_offset": request.rank_offset, "world_size": request.world_size}
+        if backend == "gloo":
+            info["secret"] = request.secret
+        if backend == "nccl":
+            info["packed"] = request.packed
+            if request.packed_buffer_size_bytes:
+                info["packed_buffer_size_bytes"] = request.packed_buffer_size_bytes
+            if request.packed_num_buffers:
+                info["packed_num_buffers"] = request.packed_num_buffers
+        await engine.transfer.init(request.run_id, info)
+        return pb.InitWeightTransferResponse()
 
+    @_mapped
     async def StartWeightUpdate(
         self, request: pb.StartWeightUpdateRequest, context: grpc.aio.ServicerContext
     ) -> pb.StartWeightUpdateResponse:
-        try:
-            await self._ready().transfer.start(request.run_id, request.target_version)
-            return pb.StartWeightUpdateResponse()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            await context.abort(*_status(e))
+        await self._ready().transfer.start(request.run_id, request.target_version)
+        return pb.StartWeightUpdateResponse()
 
+    @_mapped
     async def UpdateWeightChunk(
         self, request: pb.UpdateWeightChunkRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightChunkResponse:
-        try:
-            following = {"names": list(request.next_names), "dtype_names": list(request.next_dtype_names),
-                         "shapes": [list(x.dims) for x in request.next_shapes]} if request.next_names else None
-            await self._ready().transfer.chunk(request.run_id, request.target_version, list(request.names),
-                                               list(request.dtype_names), [list(x.dims) for x in request.shapes],
-                                               following, request.digest)
-            return pb.UpdateWeightChunkResponse()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            await context.abort(*_status(e))
+        following = {"names": list(request.next_names), "dtype_names": list(request.next_dtype_names),
+                     "shapes": [list(x.dims) for x in request.next_shapes]} if request.next_names else None
+        await self._ready().transfer.chunk(request.run_id, request.target_version, list(request.names),
+                                           list(request.dtype_names), [list(x.dims) for x in request.shapes],
+                                           following, request.digest)
+        return pb.UpdateWeightChunkResponse()
 
+    @_mapped
     async def FinishWeightUpdate(
         self, request: pb.FinishWeightUpdateRequest, context: grpc.aio.ServicerContext
     ) -> pb.FinishWeightUpdateResponse:
-        try:
-            apply_s = await self._ready().transfer.finish(request.run_id, request.target_version)
-            return pb.FinishWeightUpdateResponse(version=request.target_version, apply_s=apply_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            await context.abort(*_status(e))
+        apply_s = await self._ready().transfer.finish(request.run_id, request.target_version)
+        return pb.FinishWeightUpdateResponse(version=request.target_version, apply_s=apply_s)
 
+    @_mapped
     async def AbortWeightUpdate(
         self, request: pb.AbortWeightUpdateRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortWeightUpdateResponse:
-        try:
-            aborted = await self._ready().transfer.abort(request.run_id, request.target_version)
-            return pb.AbortWeightUpdateResponse(aborted=aborted)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            await context.abort(*_status(e))
+        aborted = await self._ready().transfer.abort(request.run_id, request.target_version)
+        return pb.AbortWeightUpdateResponse(aborted=aborted)
 
+    @_mapped
     async def ShutdownWeightTransfer(
         self, request: pb.ShutdownWeightTransferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ShutdownWeightTransferResponse:
-        try:
-            await self._ready().transfer.shutdown(request.run_id)
-            return pb.ShutdownWeightTransferResponse()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            await context.abort(*_status(e))
+        await self._ready().transfer.shutdown(request.run_id)
+        return pb.ShutdownWeightTransferResponse()
 
 
 def build_server(settings: RolloutSettings) -> tuple[grpc.aio.Server, RolloutServicer, HealthServicer, int]:
