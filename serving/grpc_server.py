@@ -31,11 +31,17 @@ def add_server_port(server: Any, address: str, cert_file: str | None = None, key
     return server.add_secure_port(address, creds)
 
 
+KEEPALIVE_MIN_MS = 5000  # the shortest ping interval a server accepts from a client
+
+
 def grpc_server_options(max_receive_bytes: int, max_send_bytes: int, max_streams: int) -> list[tuple[str, int]]:
     """Options of every forkrl grpc.aio server: message limits, concurrent streams per connection, and no
     SO_REUSEPORT (gRPC's default: a second service on the same port would start silently and share the
-    traffic; fail instead)."""
+    traffic; fail instead). Clients may ping every KEEPALIVE_MIN_MS during a call (the trainer's keepalive, which
+    finds a stopped or partitioned rollout service: forkrl/remote/rollout.py) without being told too_many_pings."""
     return [("grpc.max_receive_message_length", max_receive_bytes),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MIN_MS),
+            ("grpc.http2.max_ping_strikes", 0),
             ("grpc.max_send_message_length", max_send_bytes),
             ("grpc.max_concurrent_streams", max_streams),
             ("grpc.so_reuseport", 0)]

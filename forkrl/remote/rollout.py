@@ -70,6 +70,9 @@ def _cancel_when(should_stop: Callable[[], bool] | None, call: Any) -> Iterator[
         watcher.join()
 
 
+KEEPALIVE_S = 10  # >= serving/grpc_server.py KEEPALIVE_MIN_MS: the servers accept pings this often
+
+
 class RolloutClient:
     def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 5,
                  token: str | None = None, wait_for_ready: bool = True) -> None:
@@ -83,7 +86,10 @@ class RolloutClient:
         self.max_retries = max_retries
         self._channel = grpc_channel(
             address,
-            options=[("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)],
+            options=[("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE),
+                     # a peer that answers no HTTP/2 ping (stopped, partitioned: its kernel still acks TCP) fails the
+                     # call in flight UNAVAILABLE within ~KEEPALIVE_S x 2, not at its deadline (minutes)
+                     ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000), ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000)],
             token=token,
         )
         self._stub = pb_grpc.RolloutServiceStub(self._channel)

@@ -11,10 +11,13 @@ Determinism: the data order is a seeded permutation walked by a cursor (forkrl/d
 seed of step s is derived from (seed, s) and the rollout service derives each sample's seed from it. With the
 same weights served, a resumed run therefore sees the same trajectories as an uninterrupted one.
 
-Faults (a rollout service restarted or unreachable): a step whose sampling or push fails with UNAVAILABLE, or whose
-batch holds a trajectory not sampled by the policy the trainer pushed (a restarted service serves its initial
-weights again), waits up to `rollout_wait_s` for health SERVING, pushes the current weights again to the services
-that lost them and samples the step again (same prompts, same seeds); `foreign_batches` counts such batches. A run
+Faults: with several rollout services, one that fails (UNAVAILABLE, a deadline, a broken stream) is taken out of
+the pool and the step goes on with the others: its groups are sampled again there, and it is let back in once it
+answers and holds the current weights (forkrl/training/pool.py). A fault no other service can stand in for (the last
+one in the pool, or one service only), or a batch holding a trajectory not sampled by the policy the trainer pushed
+(a restarted service serves its initial weights again): wait up to `rollout_wait_s` for health SERVING, push the
+current weights again to the services that lost them and redo the operation (same prompts, same seeds;
+forkrl/training/recovery.py); `foreign_batches` counts such batches. A run
 that fails anyway first writes a checkpoint of its last trained step, so `--resume` loses nothing but the step in
 progress. The run's id (kept in <run_dir>/run_id; a resume keeps it) holds the rollout lease; it is released at the end.
 
@@ -44,9 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
-
-import grpc
+from typing import Any, Protocol
 
 from forkrl.data.datasets import Fields, load_eval_sets, load_problems
 from forkrl.data.order import DataOrder
@@ -60,18 +61,13 @@ from forkrl.training.metrics import MetricsSink, per_set_means
 from forkrl.training.pipeline import AheadCollector, staleness
 from forkrl.training.policy import NonFiniteWeights, Policy, load_policy
 from forkrl.training.ranks import RankLink, UpdatePayload
+from forkrl.training.recovery import ForeignBatch, Recovery
 from forkrl.training.rollouts import PolicyWeights, Rollouts
 from forkrl.training.scoring import SamplingStopped, ScoredBatch, collect_batch, evaluate
 from forkrl.weights.checkpoint import checkpoint_name, latest_checkpoint
 
 TRAIN_POOL = 20000  # built-in task: size of the train pool the data order walks through
-MAX_RECOVERIES = 5  # per operation (a step's sampling, a push, an evaluation): then the run fails
 log = logging.getLogger("forkrl.training")
-T = TypeVar("T")
-
-
-class ForeignBatch(Exception):
-    """A batch holds trajectories not sampled by the policy version the trainer pushed."""
 
 
 class Diverged(RuntimeError):
@@ -205,7 +201,8 @@ def _steps(s: _Session) -> None:
                 scored, ahead = s.take_ahead(ahead, step, start_cursor)
             metrics = scored.metrics()
             metrics.update(time_generate_s=scored.time_generate_s, time_score_s=scored.time_score_s, lr=lr,
-                           foreign_batches=float(s.foreign_batches), rollout_recoveries=float(s.recoveries))
+                           foreign_batches=float(s.foreign_batches), rollout_recoveries=float(s.recoveries),
+                           **s.rollouts.pool_metrics())
             if ahead is not None:
                 metrics.update(s.check_staleness(scored, step), time_wait_s=time.perf_counter() - t_step)
             if not scored.groups:
@@ -256,7 +253,7 @@ def _steps(s: _Session) -> None:
 
 
 @dataclass
-class _Session:
+class _Session(Recovery):
     """The parts of a running run the loop's steps share; `version` is the policy version the rollout serves."""
 
     run: RunHandle
@@ -324,60 +321,6 @@ class _Session:
         except BaseException:
             self.data.cursor = cursor
             raise
-
-    def take_ahead(self, ahead: AheadCollector, step: int, start_cursor: int) -> tuple[ScoredBatch, AheadCollector]:
-        """Async: the batch of `step` from the collector, and the collector to go on with. After a rollout fault
-        (the sampling thread's call failed UNAVAILABLE, or the batch holds a trajectory of weights this run did not
-        push there: a restarted service), stop the collector (the batches sampled ahead are discarded), put the data
-        cursor back after the last batch taken, wait for health and push the current weights again where they
-        were lost, and sample again from `step` on a new collector: the fault costs the steps in flight, never a
-        step trained on foreign samples."""
-        for attempt in range(MAX_RECOVERIES + 1):
-            try:
-                scored, cursor = ahead.get(step)
-                foreign = sum(t.policy_version < 0 for t in scored.trajectories)
-                too_old = max(staleness(self.version, scored.trajectories), default=0) > self.cfg.max_staleness
-                if foreign or (too_old and self.rollouts.lost()):  # not: too old because someone else pushed
-                    foreign = foreign or len(scored.trajectories)
-                    self.foreign_batches += 1
-                    raise ForeignBatch(f"{foreign} of {len(scored.trajectories)} trajectories of step {step} were "
-                                       "sampled by weights this run did not push (a restarted rollout service)")
-                self.cursor = cursor
-                return scored, ahead
-            except (RuntimeError, ForeignBatch, grpc.RpcError) as e:
-                cause = e.__cause__ if type(e) is RuntimeError else e  # get() wraps the sampler's error
-                if attempt == MAX_RECOVERIES or not isinstance(cause, grpc.RpcError | ForeignBatch) \
-                        or not _rollout_fault(cause):
-                    raise
-                ahead.close(timeout_s=600)
-                self.data.cursor = self.cursor if self.cursor is not None else start_cursor
-                self.recover(f"sampling step {step} ahead", cause)
-                ahead = AheadCollector(self.collect_ahead, step, self.cfg.num_steps, self.cfg.max_staleness)
-        raise AssertionError("unreachable")
-
-    def recover(self, what: str, e: BaseException) -> None:
-        """After a rollout fault: wait for health, push the current weights again where they were lost."""
-        why = str(e) if isinstance(e, ForeignBatch) else f"{e.code().name}: {e.details()}"
-        self.run.event("LOG", f"{what}: {why}; waiting up to {self.wait_s:.0f} s for the rollout "
-                       "service(s), then pushing the weights again")
-        t0 = time.perf_counter()
-        lost = self.rollouts.restore(self.policy_weights(), self.version, self.cfg.weight_sync, self.run.run_dir,
-                                     self.wait_s)
-        self.recoveries += 1
-        self.run.event("LOG", f"{what}: rollout service(s) {lost} given version {self.version} again after "
-                       f"{time.perf_counter() - t0:.1f} s; redoing it")
-
-    def resilient(self, what: str, fn: Callable[[], T]) -> T:
-        """fn(), and after a rollout fault (UNAVAILABLE, a version the service no longer serves, a foreign batch):
-        wait for health, push the current weights again where they were lost, and run fn() again."""
-        for attempt in range(MAX_RECOVERIES + 1):
-            try:
-                return fn()
-            except (grpc.RpcError, ForeignBatch) as e:
-                if attempt == MAX_RECOVERIES or not _rollout_fault(e):
-                    raise
-                self.recover(what, e)
-        raise AssertionError("unreachable")
 
     def trained(self, step: int, metrics: dict[str, float]) -> None:
         self.trained_step, self.trained_cursor_at, self.pending = step, self.trained_cursor, (step, metrics)
@@ -495,13 +438,3 @@ class _Session:
             "run_id": self.run.run_id, "config": self.cfg.model_dump(), "policy_version": self.version})
         self.saved_step = max(self.saved_step, step)
         self.run.event("CHECKPOINT", f"saved {name}", step=step, path=str(path))
-
-
-def _rollout_fault(e: BaseException) -> bool:
-    """A fault of the rollout service(s) that waiting and pushing again can mend."""
-    if isinstance(e, ForeignBatch):
-        return True
-    code = e.code() if isinstance(e, grpc.RpcError) else None
-    # FAILED_PRECONDITION "served version + 1": the service restarted between reading its version and the push
-    return code == grpc.StatusCode.UNAVAILABLE or (
-        code == grpc.StatusCode.FAILED_PRECONDITION and "served version + 1" in (e.details() or ""))

@@ -57,6 +57,7 @@ import torch
 from forkrl.files import atomic_write
 from forkrl.remote.rollout import RolloutClient
 from forkrl.training.config import WeightSync
+from forkrl.training.pool import ServicePool, failover_fault, sample_groups
 from forkrl.training.transfer_route import (  # noqa: F401 - join_transfer, lockstep_source: the route's API
     TRANSFER_ADDRESS_ENV,
     TransferUnavailable,
@@ -79,6 +80,7 @@ _NOT_COLOCATED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)
 # DEADLINE_EXCEEDED, which fails the run. The floor rate is far below any engine's, so only a hung service reaches
 # it; a dead one breaks the stream at once (UNAVAILABLE).
 GENERATE_BASE_S = 600.0
+PROBE_S = 2.0  # the health check of a service out of the pool, before each push
 GENERATE_FLOOR_TOKENS_PER_S = 10.0
 
 
@@ -110,7 +112,9 @@ class Rollouts:
         self.run_id = run_id
         # per service: its version -> the trainer's version of the same weights (see the module docstring)
         self.versions: list[dict[int, int]] = [{} for _ in self.clients]
-        self.pool = ThreadPoolExecutor(max_workers=len(self.clients))
+        self.executor = ThreadPoolExecutor(max_workers=len(self.clients))
+        self.pool = ServicePool(len(self.clients))  # the services in (sampled, pushed to) and out
+        self.samples = [0] * len(self.clients)  # trajectories each service returned (a run's metrics)
         # of the last push, the slowest service's: seconds it waited for in-flight samples (drain) and applied
         # the weights; new samples wait at its gate for drain + apply (the stall of generation per push)
         self.last_swap: dict[str, float] = {}
@@ -130,32 +134,33 @@ class Rollouts:
 
     def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int,
                  seed: int) -> list[list[Any]]:
-        """Trajectories grouped by prompt: result[i] holds the n samples of prompts[i] in sample order."""
-        shards = [list(range(j, len(prompts), len(self.clients))) for j in range(len(self.clients))]
-
-        def run(j: int) -> list[tuple[int, Any]]:
-            idx = shards[j]
-            if not idx:
-                return []
-            out = []
-            # seeds per global prompt index: the result does not depend on how prompts are sharded
-            for t in self.clients[j].generate([prompts[i] for i in idx], n=n, temperature=temperature,
-                                              max_new_tokens=max_new_tokens, seed=seed, prompt_offsets=idx,
-                                              timeout_s=generate_deadline_s(len(idx), n, max_new_tokens)):
-                if self.versions[j]:  # the trainer's numbering (as is before adopt(): nothing to map yet)
-                    t.policy_version = self.versions[j].get(t.policy_version, -1)
-                    if t.last_policy_version >= 0:
-                        t.last_policy_version = self.versions[j].get(t.last_policy_version, -1)
-                out.append((idx[t.prompt_index], t))
-            return out
-
+        """Trajectories grouped by prompt: result[i] holds the n samples of prompts[i] in sample order. The prompts
+        are spread over the services in the pool; a service whose call fails over (forkrl/training/pool.py) is taken
+        out and its prompts asked of the others, whole groups (the samples of a failed call are never used)."""
         groups: list[list[Any]] = [[None] * n for _ in prompts]
-        for part in self.pool.map(run, range(len(self.clients))):
-            for i, t in part:
-                groups[i][t.sample_index] = t
-        missing = sum(t is None for g in groups for t in g)
-        if missing:
-            raise RuntimeError(f"rollout returned {missing} fewer trajectories than asked")
+        todo = list(range(len(prompts)))
+        while todo:
+            active = self.pool.active()
+            shards = [(j, todo[k::len(active)]) for k, j in enumerate(active)]
+            todo = []
+            for (j, idx), part in zip(shards, self.executor.map(lambda s: sample_groups(
+                    self.clients[s[0]], self.versions[s[0]], s[1], prompts, n, temperature, max_new_tokens, seed,
+                    generate_deadline_s(len(s[1]), n, max_new_tokens)), shards),
+                    strict=True):
+                if isinstance(part, BaseException):
+                    why = f"{part.code().name}: {part.details()}" if isinstance(part, grpc.RpcError) else str(part)
+                    if not (failover_fault(part) and self.pool.drop(j, why)):
+                        raise part
+                    log.warning("rollout service %s is out of the pool (%s): its %d prompt(s) go to the others",
+                                self.clients[j].address, why, len(idx))
+                    if self.routes and self.routes[0] == "transfer":
+                        self._no_transfer = True  # the group's broadcast includes it: the other routes from now on
+                    todo += idx
+                    continue
+                for i, t in part:
+                    groups[i][t.sample_index] = t
+                self.samples[j] += len(part)
+            todo.sort()
         return groups
 
     def version(self) -> int:
@@ -185,14 +190,22 @@ class Rollouts:
     def restore(self, model: torch.nn.Module | dict[str, torch.Tensor] | PolicyWeights, version: int, mode: WeightSync,
                 run_dir: Path, wait_s: float) -> list[int]:
         """After a fault (UNAVAILABLE, a foreign sample): wait up to `wait_s` for every service to be SERVING, then
-        push `version` again to those that lost it. Returns their indices."""
+        push `version` again to those that lost it or are out of the pool; they are in again once they serve it.
+        Returns their indices."""
         self.wait_ready(wait_s)
         if self.offers is not None:  # a restarted service may offer another backend (or none)
             self._note_offers([c.info() for c in self.clients])
-        lost = self.lost()
+        lost = sorted(set(self.lost()) | set(self.pool.out()))
         if lost:
             self.push(model, version, mode, run_dir, only=lost)
+        for j in lost:
+            self.pool.readmit(j, self.versions[j].get(self.clients[j].info().version), version)
         return lost
+
+    def pool_metrics(self) -> dict[str, float]:
+        """The pool in a step's metrics: services in, failovers so far, and the trajectories each service returned."""
+        return {"rollout_services_in": float(len(self.pool.active())), "rollout_failovers": float(self.pool.failovers),
+                **{f"rollout_samples_{j}": float(k) for j, k in enumerate(self.samples)}}
 
     def release(self) -> list[str]:
         """Give up the lease on every service (the run ended). A service that is gone is skipped with a warning
@@ -218,7 +231,7 @@ class Rollouts:
         self._drop_transfer(shutdown=True)
         if self._shm is not None:
             self._shm.discard()
-        self.pool.shutdown(wait=False)
+        self.executor.shutdown(wait=False)
         for c in self.clients:
             c.close()
 
@@ -227,8 +240,8 @@ class Rollouts:
         if mode in ("stream", "path", "shm", "transfer"):
             return [mode] * len(self.clients)
         # a service on this trainer's GPU: not nccl (NCCL refuses it), the other routes from the start
-        if not self._no_transfer and self.offers is not None and set(self.offers) == {trainer_backend()} and \
-                self.shared_gpu is None:
+        if not self._no_transfer and not self.pool.out() and self.offers is not None and \
+                set(self.offers) == {trainer_backend()} and self.shared_gpu is None:
             return ["transfer"] * len(self.clients)
         sync = default_sync_dir()
         return ["shm" if sync is not None and i not in self._no_shm and is_local(c.address) else "stream"
@@ -264,7 +277,8 @@ class Rollouts:
             model = weights.full_state()
         items = model.items() if isinstance(model, dict) else model.state_dict().items()
         state = {k: v.detach() for k, v in items}
-        which = list(range(len(self.clients))) if only is None else only
+        probed = self.pool.answering(self.clients, PROBE_S) if only is None else []  # out: pushed to, then in
+        which = sorted(self.pool.active() + probed) if only is None else only
         file: str = ""
         if any(routes[j] == "path" for j in which):
             from safetensors.torch import save
@@ -316,8 +330,28 @@ class Rollouts:
                 self.versions[j] = {}  # a restarted service: its old numbers now name other weights
             self.versions[j][target] = version
 
+        def attempt(j: int) -> BaseException | None:
+            try:
+                one(j)
+            except BaseException as e:  # noqa: BLE001 - handed back: the pool decides
+                return e
+            return None
+
         try:
-            list(self.pool.map(one, which))
+            for j, e in zip(which, list(self.executor.map(attempt, which)), strict=True):
+                why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+                if e is None and j in probed:  # it serves the trainer's current version: back in
+                    if self.pool.readmit(j, self.versions[j].get(max(self.versions[j], default=-1)), version):
+                        log.warning("rollout service %s is back in the pool at version %d", self.clients[j].address,
+                                    version)
+                elif e is not None and j in probed:
+                    log.warning("rollout service %s stays out of the pool: the push failed (%s)",
+                                self.clients[j].address, why)
+                elif e is not None and not (failover_fault(e) and self.pool.drop(j, why)):
+                    raise e
+                elif e is not None:
+                    log.warning("rollout service %s is out of the pool: the push failed (%s)",
+                                self.clients[j].address, why)
         except BaseException:
             if self._shm is not None:  # a reload may still read it: never rewrite those pages
                 self._shm.discard()

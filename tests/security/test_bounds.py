@@ -177,7 +177,8 @@ def test_grpc_limits_are_settings() -> None:
 
     opts = dict(grpc_server_options(4 << 20, 64 << 20, 8))
     assert opts == {"grpc.max_receive_message_length": 4 << 20, "grpc.max_send_message_length": 64 << 20,
-                    "grpc.max_concurrent_streams": 8, "grpc.so_reuseport": 0}
+                    "grpc.max_concurrent_streams": 8, "grpc.so_reuseport": 0,
+                    "grpc.http2.min_recv_ping_interval_without_data_ms": 5000, "grpc.http2.max_ping_strikes": 0}
     t = parse_settings(TrainerSettings, ["--max-concurrent-streams", "8", "--max-message-mib", "2"])
     r = parse_settings(RolloutSettings, ["--model", "m", "--max-concurrent-streams", "8"])
     assert (t.max_concurrent_streams, t.max_message_mib, r.max_concurrent_streams) == (8, 2, 8)
