@@ -20,7 +20,9 @@ of class c (only for classes present in the step). Without a mask the two shares
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,8 +58,20 @@ class MetricsSink:
         return cls(run_dir, tensorboard and "tensorboard" in cfg.log_to, loggers, resumed_at)
 
     def write(self, step: int, values: dict[str, float], kind: str = "train") -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "kind": kind, **values}, sort_keys=True) + "\n")
+        line = (json.dumps({"step": step, "kind": kind, **values}, sort_keys=True) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError:  # a full disk took part of the line: cut it, or every later read of the file fails
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
         for log in self.loggers:
             log.scalars(step, kind, values)
 
@@ -91,7 +105,9 @@ class MetricsSink:
             if not path.is_file():
                 continue
             lines = path.read_text().splitlines(keepends=True)
-            keep = [ln for ln in lines if not ln.strip() or json.loads(ln).get("step", 0) <= step]
+            # a last line torn by a full disk (before write cut its failures): a step that runs again
+            whole = lines[:-1] if lines and not lines[-1].endswith("\n") else lines
+            keep = [ln for ln in whole if not ln.strip() or json.loads(ln).get("step", 0) <= step]
             if len(keep) != len(lines):
                 atomic_write(path, "".join(keep).encode())
             if path == self.path:
