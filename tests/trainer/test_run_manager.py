@@ -95,7 +95,8 @@ def test_a_run_failing_on_a_full_disk_names_its_run_dir_and_what_to_do() -> None
         text = describe_failure(e, ["127.0.0.1:1"], "/data/runs/r1")
     assert text.startswith("the disk of the run dir /data/runs/r1 is full (RuntimeError: the event writer failed)")
     assert "resume the run (resume=True)" in text
-    assert describe_failure(OSError(errno.EACCES, "denied"), ["127.0.0.1:1"], "/r") == "PermissionError: [Errno 13] denied"
+    other = describe_failure(OSError(errno.EACCES, "denied"), ["127.0.0.1:1"], "/r")
+    assert other == "PermissionError: [Errno 13] denied"
 
 
 def test_a_run_failing_on_a_grpc_error_reports_a_sentence(refused_generate, tmp_path: Path) -> None:
