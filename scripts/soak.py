@@ -12,14 +12,17 @@ the trainer's, the probe's: a fault of one service can fall inside another's), e
   term_rollout, term_trainer, term_probe     SIGTERM (the graceful stop), SIGKILL after 90 s
   stop_rollout, stop_trainer, stop_probe     SIGSTOP for 10-60 s (x minutes/60 when shorter than an hour), SIGCONT
   kill_push         SIGKILL of the trainer or the rollout (seeded) the moment the rollout logs a new weight version
-                    in place: the push is applied there and the trainer has not yet recorded the step
-  kill_checkpoint   SIGKILL of the trainer while <run_dir>/checkpoints/.tmp-* exists (a checkpoint being written)
+                    in place: the push is applied there and the trainer has not yet recorded the step (waits up
+                    to 90 s for a push; "missed" when none comes)
+  kill_checkpoint   SIGKILL of the trainer while <run_dir>/checkpoints/.tmp-* exists (a checkpoint being written;
+                    waits up to 90 s for one)
   disk_full         the runs root is a 64 MiB tmpfs (root only; else skipped and said): a ballast file fills it
-                    until the run fails (it must name the full disk) or 60 s pass, then it is removed
-A killed or stopped service is restarted at once (docker's restart policy); a trainer that comes back, or a run
-that failed, gets StartRun(resume=True) on the same run dir. Network partitions: not yet (scripts/cluster_sim.py
-exists, the multi-host layout does not). The checks and the table: scripts/soak_checks.py. Exit status 0 when
-every check passes, 1 otherwise, 2 when the stack could not start.
+                    until the run fails (naming the full run dir) or 30 s pass, then it is removed
+A 60-minute soak then trains 15 minutes without faults (`--quiet-minutes`), so that the last life of each service
+is long enough for the growth check. A killed or stopped service is restarted at once (docker's restart policy);
+a trainer that comes back, or a run that failed, gets StartRun(resume=True) on the same run dir. Network
+partitions: not yet (scripts/cluster_sim.py exists, the multi-host layout does not). The checks and the table:
+scripts/soak_checks.py. Exit status 0 when every check passes, 1 otherwise, 2 when the stack could not start.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ KINDS = tuple(k for lane in LANES.values() for k in lane)
 PER_HOUR = 21
 WARMUP_S = 45.0  # after the first step, before the first fault
 QUIET_S = 20.0  # no fault in the last seconds: the run must show it recovered
+WINDOW_S = 90.0  # kill_push / kill_checkpoint: how long to wait for a push or a checkpoint write
+FULL_S = 30.0  # disk_full: the longest the disk stays full (less when the run fails first)
 IN_PLACE = re.compile(rb"weights v(\d+) in place")
 
 
@@ -197,10 +202,12 @@ class Soak:
 
     # -- faults
     def lane(self, name: str, plan: list[tuple[float, str, float]]) -> None:
-        for at, kind, param in plan:
+        for i, (at, kind, param) in enumerate(plan):
             while not self.stop_faults.is_set() and self.now() < self.fault_t0 + at:
                 time.sleep(0.2)
-            if self.stop_faults.is_set():
+            if self.stop_faults.is_set():  # the lane fell behind its schedule: said, counted
+                for _, late, _ in plan[i:]:
+                    self.faults.append(Fault(late, self.now(), name, "not reached: the lane was behind its schedule"))
                 return
             try:
                 self.inject(kind, param)
@@ -245,27 +252,31 @@ class Soak:
     def kill_in_push(self, draw: float) -> None:
         target = "trainer" if draw * 1000 % 2 < 1 else "rollout"
         svc, log = self.services[target], self.services["rollout"].log
-        seen = len(IN_PLACE.findall(log.read_bytes()))
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not self.stop_faults.is_set():
-            found = IN_PLACE.findall(log.read_bytes()[-200_000:])
-            if len(IN_PLACE.findall(log.read_bytes())) > seen and found:
-                with svc.lock:
-                    svc.held = True
-                    pid = svc.signal(signal.SIGKILL)
-                recorded = self.monitor.last_step_on_disk()
-                self.faults.append(Fault("kill_push", self.now(), target,
-                                         f"pid {pid} at v{int(found[-1])} in place; metrics at step {recorded}"))
-                time.sleep(0.5)
-                with svc.lock:
-                    svc.held = False
-                return
-            time.sleep(0.003)
-        self.faults.append(Fault("kill_push", self.now(), target, "missed: no push in 180 s"))
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)  # only lines written from now on
+            tail = b""
+            deadline = time.monotonic() + WINDOW_S
+            while time.monotonic() < deadline and not self.stop_faults.is_set():
+                tail = (tail + f.read())[-4096:]
+                found = IN_PLACE.findall(tail)
+                if found:
+                    with svc.lock:
+                        svc.held = True
+                        pid = svc.signal(signal.SIGKILL)
+                    recorded = self.monitor.last_step_on_disk()
+                    self.faults.append(Fault("kill_push", self.now(), target,
+                                             f"pid {pid} at v{int(found[-1])} in place; metrics at step {recorded}"))
+                    time.sleep(0.5)
+                    with svc.lock:
+                        svc.held = False
+                    return
+                time.sleep(0.003)
+        self.faults.append(Fault("kill_push", self.now(), target,
+                                 f"missed: no push in {WINDOW_S:.0f} s (the run was not stepping)"))
 
     def kill_in_checkpoint(self) -> None:
         svc, root = self.services["trainer"], self.run_dir / "checkpoints"
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + WINDOW_S
         while time.monotonic() < deadline and not self.stop_faults.is_set():
             with contextlib.suppress(OSError):
                 tmp = [p.name for p in os.scandir(root) if p.name.startswith(".tmp-")]
@@ -279,7 +290,8 @@ class Soak:
                         svc.held = False
                     return
             time.sleep(0.001)
-        self.faults.append(Fault("kill_checkpoint", self.now(), "trainer", "missed: no checkpoint write in 180 s"))
+        self.faults.append(Fault("kill_checkpoint", self.now(), "trainer",
+                                 f"missed: no checkpoint write in {WINDOW_S:.0f} s (the run was not stepping)"))
 
     def fill_disk(self) -> None:
         if not self.tmpfs:
@@ -297,11 +309,11 @@ class Soak:
                 while True:
                     f.write(b"\0" * 4096)
                     f.flush()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + FULL_S
         while time.monotonic() < deadline and len(self.run_errors) == errors and not self.stop_faults.is_set():
             time.sleep(0.2)
         ballast.unlink()
-        why = self.run_errors[-1][:160] if len(self.run_errors) > errors else "the run did not fail in 60 s"
+        why = self.run_errors[-1][:160] if len(self.run_errors) > errors else f"the run wrote nothing in {FULL_S:.0f} s"
         self.faults.append(Fault("disk_full", t, "trainer", f"full {self.now() - t:.0f} s; {why}"))
 
     # -- the whole soak
@@ -335,6 +347,13 @@ class Soak:
             self.stop_faults.set()
             for th in lanes:
                 th.join(timeout=240)
+            if self.args.quiet_minutes:
+                self.monitor.note(f"faults over; {self.args.quiet_minutes:g} quiet minutes (the growth check)")
+            quiet_end = self.now() + self.args.quiet_minutes * 60
+            while self.now() < quiet_end:
+                self.supervise()
+                self.probe_jobs()
+                time.sleep(0.3)
             self.settle()
         finally:
             self.stop_faults.set()
@@ -415,8 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1, help="the fault schedule's and the run's seed (default 1)")
     p.add_argument("--faults", default=",".join(KINDS), help="comma list of fault kinds (default: all)")
     p.add_argument("--per-hour", type=float, default=PER_HOUR, help=f"faults of each kind an hour ({PER_HOUR})")
+    p.add_argument("--quiet-minutes", type=float, default=None,
+                   help="minutes of training without faults after them, so that each service lives long enough for "
+                        "the growth check (default: 15 when --minutes >= 60, else 0)")
     p.add_argument("--out", default="/tmp/forkrl-soak", help="where the run, logs and soak.json go")
     args = p.parse_args(argv)
+    if args.quiet_minutes is None:
+        args.quiet_minutes = 15.0 if args.minutes >= 60 else 0.0
     args.kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
     bad = sorted(set(args.kinds) - set(KINDS))
     if bad:
