@@ -91,6 +91,8 @@ class Soak:
         self.run_id = ""
         self.resume_at = 0.0
         self.run_done = False
+        self.backing_off = False
+        self.ended_seen = False
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -151,12 +153,18 @@ class Soak:
                 run = self.trainer_call("GetRun", pb.GetRunRequest(run_id=self.run_id), 10)
                 if run.state in (pb.RUN_STATE_STARTING, pb.RUN_STATE_RUNNING, pb.RUN_STATE_STOPPING):
                     return
-                if run.error and (not self.run_errors or self.run_errors[-1] != run.error):
+                if run.error and not self.ended_seen:  # each failure once
+                    self.ended_seen = True
                     self.run_errors.append(run.error)
                     print(f"[soak] t={self.now():.0f} s: the run ended {pb.RunState.Name(run.state)}: "
                           f"{run.error[:300]}", flush=True)
+                if run.state == pb.RUN_STATE_FAILED and not self.backing_off:  # e.g. a full disk: not in a tight loop
+                    self.backing_off, self.resume_at = True, self.now() + 3
+                    return
+            self.backing_off = False
             resume = (self.run_dir / "run_id").exists()
             self.run_id = self.trainer_call("StartRun", pb.StartRunRequest(config=self.config(resume)), 60).run_id
+            self.ended_seen = False
             self.monitor.note(f"StartRun(resume={resume}) -> {self.run_id}")
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -226,7 +234,7 @@ class Soak:
             svc = self.services[target]
             with svc.lock:
                 svc.held = True
-                pid = svc.signal(signal.SIGSTOP)
+                pid = self.fault_signal(svc, signal.SIGSTOP)
             t = self.now()
             self.faults.append(Fault(kind, t, target, f"pid {pid} stopped {param:.0f} s"))
             time.sleep(param)
@@ -238,7 +246,7 @@ class Soak:
             sig = signal.SIGKILL if verb == "kill" else signal.SIGTERM
             with svc.lock:
                 svc.held = True
-                pid = svc.signal(sig)
+                pid = self.fault_signal(svc, sig)
             self.faults.append(Fault(kind, self.now(), target, f"pid {pid}"))
             deadline = time.monotonic() + 90
             while svc.pid is not None and time.monotonic() < deadline:
@@ -248,6 +256,11 @@ class Soak:
                 self.faults[-1].detail += "; still running 90 s after SIGTERM: SIGKILL"
             with svc.lock:
                 svc.held = False  # the supervisor restarts it
+
+    def fault_signal(self, svc: Service, sig: int) -> int | None:
+        """Read the metrics lines written so far (they are not the fault's recovery), then signal."""
+        self.monitor.read_metrics()
+        return svc.signal(sig)
 
     def kill_in_push(self, draw: float) -> None:
         target = "trainer" if draw * 1000 % 2 < 1 else "rollout"
@@ -262,7 +275,7 @@ class Soak:
                 if found:
                     with svc.lock:
                         svc.held = True
-                        pid = svc.signal(signal.SIGKILL)
+                        pid = self.fault_signal(svc, signal.SIGKILL)
                     recorded = self.monitor.last_step_on_disk()
                     self.faults.append(Fault("kill_push", self.now(), target,
                                              f"pid {pid} at v{int(found[-1])} in place; metrics at step {recorded}"))
@@ -283,7 +296,7 @@ class Soak:
                 if tmp:
                     with svc.lock:
                         svc.held = True
-                        pid = svc.signal(signal.SIGKILL)
+                        pid = self.fault_signal(svc, signal.SIGKILL)
                     self.faults.append(Fault("kill_checkpoint", self.now(), "trainer", f"pid {pid} writing {tmp[0]}"))
                     time.sleep(0.5)
                     with svc.lock:
@@ -297,6 +310,7 @@ class Soak:
         if not self.tmpfs:
             self.faults.append(Fault("disk_full", self.now(), "trainer", "skipped: no tmpfs (needs root)"))
             return
+        self.monitor.read_metrics()
         ballast = self.runs / "ballast"
         errors = len(self.run_errors)
         t = self.now()

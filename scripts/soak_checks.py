@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +62,8 @@ class Monitor:
         self.run_dir, self.t0 = run_dir, t0
         self.seen: dict[int, float] = {}  # step -> when a train line of it was first seen (the latest write)
         self.writes: list[tuple[float, int]] = []  # (t, step) every time a new train line appeared
-        self.lines = 0
+        self.offset = 0
+        self.lock = threading.Lock()
         self.next_sample = 0.0
         self.notes: list[str] = []
         self.probe_ids: list[str] = []
@@ -75,19 +78,25 @@ class Monitor:
         return max((s for _, s in self.writes), default=0)
 
     def read_metrics(self) -> None:
+        """Read the train lines appended since the last call (incremental: metrics.jsonl grows by MiBs an hour); a
+        file that shrank (a resume dropped lines) is read again from the start. Called by the fault lanes just before
+        each signal, so that a line written before a fault is never taken for the first line after it."""
         path = self.run_dir / "metrics.jsonl"
-        with contextlib.suppress(OSError):
-            lines = path.read_text().splitlines()
-            if len(lines) < self.lines:  # a resume dropped lines
-                self.lines = 0
+        with self.lock, contextlib.suppress(OSError), open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < self.offset:
+                self.offset = 0
                 self.writes.append((time.monotonic() - self.t0, 0))
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+            whole = data[:data.rfind(b"\n") + 1]
+            self.offset += len(whole)
             t = time.monotonic() - self.t0
-            for ln in lines[self.lines:]:
+            for ln in whole.splitlines():
                 with contextlib.suppress(ValueError):
                     m = json.loads(ln)
                     if m.get("kind") == "train":
                         self.writes.append((t, int(m["step"])))
-            self.lines = len(lines)
 
     def poll(self, services: dict, force: bool = False) -> None:
         from soak_stack import usage
