@@ -375,7 +375,9 @@ class Soak:
         results = check_all(self)
         print_table(results, self)
         (self.out / "soak.json").write_text(json.dumps({"results": [r.__dict__ for r in results],
-                                                        "faults": [f.__dict__ for f in self.faults]}, indent=1))
+                                                        "faults": [f.__dict__ for f in self.faults],
+                                                        "probe_jobs": getattr(self, "probe_states", {}),
+                                                        "notes": self.monitor.notes}, indent=1))
         return 0 if all(r.ok for r in results) else 1
 
     def settle(self) -> None:

@@ -246,7 +246,8 @@ def check_all(soak: Any) -> list[Result]:
     res.append(Result("probe jobs", not unfinished and not reasonless and len(states) == len(soak.monitor.probe_ids),
                       f"{len(soak.monitor.probe_ids)} submitted, {counts}" +
                       (f"; not finished {unfinished}" if unfinished else "") +
-                      (f"; failed without a reason {reasonless}" if reasonless else "")))
+                      (f"; failed without a reason {reasonless}" if reasonless else "") +
+                      "".join(f"; failed: {r[:90]!r} x{n}" for r, n in _reasons(states).items())))
     fault_costs(soak.faults, soak.monitor.writes)
     broken = [f for f in soak.faults if f.detail.startswith("not applied")]
     idle = [f for f in soak.faults if f.detail.startswith(("missed", "not reached", "skipped"))]
@@ -258,6 +259,14 @@ def check_all(soak: Any) -> list[Result]:
                       (f"; {len(idle)} missed/not reached/skipped (listed above)" if idle else "") +
                       (f"; NOT APPLIED (an error) {[(f.kind, f.detail) for f in broken][:5]}" if broken else "")))
     return res
+
+
+def _reasons(states: dict[str, dict]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in states.values():
+        if s.get("state") == "failed" and s.get("error"):
+            out[s["error"]] = out.get(s["error"], 0) + 1
+    return out
 
 
 def print_table(results: list[Result], soak: Any) -> None:
