@@ -230,6 +230,8 @@ class Soak:
             self.kill_in_checkpoint()
         elif kind == "disk_full":
             self.fill_disk()
+        elif not self.wait_alive(self.services[target]):
+            self.faults.append(Fault(kind, self.now(), target, "missed: the service was not running for 60 s"))
         elif verb == "stop":
             svc = self.services[target]
             with svc.lock:
@@ -256,6 +258,16 @@ class Soak:
                 self.faults[-1].detail += "; still running 90 s after SIGTERM: SIGKILL"
             with svc.lock:
                 svc.held = False  # the supervisor restarts it
+
+    def wait_alive(self, svc: Service) -> bool:
+        """Whether the service runs (within 60 s): a fault that finds it down (killed a moment ago) hits the next
+        life, at its start or resume (a kill in a resume, twice in a row), rather than nothing."""
+        deadline = time.monotonic() + 60
+        while svc.pid is None or svc.held:
+            if time.monotonic() > deadline or self.stop_faults.is_set():
+                return False
+            time.sleep(0.05)
+        return True
 
     def fault_signal(self, svc: Service, sig: int) -> int | None:
         """Read the metrics lines written so far (they are not the fault's recovery), then signal."""
