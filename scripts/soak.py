@@ -389,7 +389,10 @@ class Soak:
         (self.out / "soak.json").write_text(json.dumps({"results": [r.__dict__ for r in results],
                                                         "faults": [f.__dict__ for f in self.faults],
                                                         "probe_jobs": getattr(self, "probe_states", {}),
-                                                        "notes": self.monitor.notes}, indent=1))
+                                                        "notes": self.monitor.notes,
+                                                        "samples": {n: [{"life": x.n, "t_rss_fds_threads": x.samples}
+                                                                        for x in svc.lives]
+                                                                    for n, svc in self.services.items()}}))
         return 0 if all(r.ok for r in results) else 1
 
     def settle(self) -> None:
