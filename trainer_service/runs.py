@@ -12,6 +12,7 @@ continues. A run's error is one sentence; a gRPC error reads "<who> answered <CO
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import threading
@@ -70,12 +71,17 @@ def resumed_run_id(run_dir: Path) -> str | None:
     return run_id if len(run_id) <= MAX_RUN_ID_CHARS and _RUN_ID.fullmatch(run_id) else None
 
 
-def describe_failure(exc: BaseException, rollout_addresses: list[str]) -> str:
+def describe_failure(exc: BaseException, rollout_addresses: list[str], run_dir: str | Path = "") -> str:
     """The sentence a failed run reports. A gRPC error (raised, or the cause of the error raised) reads
     "<who> answered <CODE>: <details>", never the call object's repr; the run's gRPC calls all go to its rollout
-    services."""
+    services. A full disk (ENOSPC, often raised by a writer thread that names no file) names the run dir and
+    what to do."""
     rpc = next((e for e in _chain(exc) if isinstance(e, grpc.RpcError) and hasattr(e, "code")), None)
-    if rpc is None:
+    full = next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno == errno.ENOSPC), None)
+    if full is not None and rpc is None:
+        text = (f"the disk of the run dir {run_dir or '(unknown)'} is full ({type(exc).__name__}: {exc}); the "
+                "checkpoints written before are kept: free space there, then resume the run (resume=True)")
+    elif rpc is None:
         text = f"{type(exc).__name__}: {exc}"
     else:
         who = (f"the rollout service at {rollout_addresses[0]}" if len(rollout_addresses) == 1
@@ -214,7 +220,7 @@ class RunManager:
         except Exception as exc:  # the service must survive a failed run and report why
             log.error("run %s failed:\n%s", run.run_id, traceback.format_exc())
             final = FAILED
-            run.error = describe_failure(exc, run.config.rollout_addresses)
+            run.error = describe_failure(exc, run.config.rollout_addresses, run.run_dir)
         release_memory()  # the run's model and optimizer state, before the next run loads its own
         with run.cond:
             run.state = final

@@ -35,12 +35,14 @@ def _finite(values: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardLog:
-    """Scalars `<kind>/<name>` at `step`; a table as a markdown text summary."""
+    """Scalars `<kind>/<name>` at `step`; a table as a markdown text summary. `purge_step` (a resumed run: the first
+    step it runs again): a reader drops the events of that step and later ones that earlier writers logged, so each
+    step shows once, as in metrics.jsonl."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(log_dir))
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
     def scalars(self, step: int, kind: str, values: dict[str, Any]) -> None:
         for k, v in _finite(values).items():

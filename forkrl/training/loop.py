@@ -133,7 +133,7 @@ def _run(run: RunHandle, cfg: RunConfig, run_dir: Path, device: str, tensorboard
     policy = load_policy(cfg, run_dir, device, threads)
     run.start_step = run.step = policy.start_step
     rid = lease_id(run_dir, run.run_id, cfg.resume)
-    sink = MetricsSink.for_run(run_dir, cfg, rid, tensorboard)  # --log-to: jsonl + TensorBoard / W&B
+    sink = MetricsSink.for_run(run_dir, cfg, rid, tensorboard, policy.start_step if policy.resumed else None)
     if policy.resumed:
         sink.drop_after(policy.start_step)  # lines of steps after the checkpoint: those steps run again
     # a dataset: every train problem, read lazily (forkrl/data/datasets.py); a task: a generated pool

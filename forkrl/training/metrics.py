@@ -20,7 +20,9 @@ of class c (only for classes present in the step). Without a mask the two shares
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,24 +37,41 @@ class MetricsSink:
     """metrics.jsonl (always) + the loggers (TensorBoard, W&B). Lines are flushed per step: nothing lost on a
     crash."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = False, loggers: Sequence[Logger] = ()) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool = False, loggers: Sequence[Logger] = (),
+                 resumed_at: int | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self.loggers: list[Logger] = [TensorBoardLog(run_dir / "tb")] if tensorboard else []
+        # a resume from step k runs k + 1.. again: TensorBoard drops what earlier writers logged from there on
+        purge = None if resumed_at is None else resumed_at + 1
+        self.loggers: list[Logger] = [TensorBoardLog(run_dir / "tb", purge)] if tensorboard else []
         self.loggers += list(loggers)
 
     @classmethod
-    def for_run(cls, run_dir: Path, cfg: Any, run_id: str, tensorboard: bool = True) -> MetricsSink:
+    def for_run(cls, run_dir: Path, cfg: Any, run_id: str, tensorboard: bool = True,
+                resumed_at: int | None = None) -> MetricsSink:
         """The sink of a run's `log_to` (a RunConfig); `tensorboard` False: the service allows no TensorBoard.
-        The W&B run is named after the run dir and has the run's id (the same across resumes)."""
+        The W&B run is named after the run dir and has the run's id (the same across resumes). `resumed_at`: the
+        step of the checkpoint a resume starts from (TensorBoard purges the later steps logged before)."""
         loggers: list[Logger] = []
         if "wandb" in cfg.log_to:
             loggers.append(WandbLog(run_dir, project=cfg.wandb_project, name=run_dir.name, run_id=run_id,
                                     config=cfg.model_dump()))
-        return cls(run_dir, tensorboard and "tensorboard" in cfg.log_to, loggers)
+        return cls(run_dir, tensorboard and "tensorboard" in cfg.log_to, loggers, resumed_at)
 
     def write(self, step: int, values: dict[str, float], kind: str = "train") -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "kind": kind, **values}, sort_keys=True) + "\n")
+        line = (json.dumps({"step": step, "kind": kind, **values}, sort_keys=True) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError:  # a full disk took part of the line: cut it, or every later read of the file fails
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
         for log in self.loggers:
             log.scalars(step, kind, values)
 
@@ -86,7 +105,9 @@ class MetricsSink:
             if not path.is_file():
                 continue
             lines = path.read_text().splitlines(keepends=True)
-            keep = [ln for ln in lines if not ln.strip() or json.loads(ln).get("step", 0) <= step]
+            # a last line torn by a full disk (before write cut its failures): a step that runs again
+            whole = lines[:-1] if lines and not lines[-1].endswith("\n") else lines
+            keep = [ln for ln in whole if not ln.strip() or json.loads(ln).get("step", 0) <= step]
             if len(keep) != len(lines):
                 atomic_write(path, "".join(keep).encode())
             if path == self.path:

@@ -84,6 +84,21 @@ def refused_generate(tmp_path: Path) -> Iterator[tuple[str, grpc.RpcError]]:
         server.stop()
 
 
+def test_a_run_failing_on_a_full_disk_names_its_run_dir_and_what_to_do() -> None:
+    """The soak's disk_full fault: TensorBoard's writer thread raised ENOSPC, which names no file; the run's error
+    read "OSError: [Errno 28] No space left on device". It names the run dir, and says the resume is the way on."""
+    import errno
+
+    try:
+        raise RuntimeError("the event writer failed") from OSError(errno.ENOSPC, "No space left on device")
+    except RuntimeError as e:
+        text = describe_failure(e, ["127.0.0.1:1"], "/data/runs/r1")
+    assert text.startswith("the disk of the run dir /data/runs/r1 is full (RuntimeError: the event writer failed)")
+    assert "resume the run (resume=True)" in text
+    other = describe_failure(OSError(errno.EACCES, "denied"), ["127.0.0.1:1"], "/r")
+    assert other == "PermissionError: [Errno 13] denied"
+
+
 def test_a_run_failing_on_a_grpc_error_reports_a_sentence(refused_generate, tmp_path: Path) -> None:
     address, rpc = refused_generate
     said = (f"the rollout service at {address} answered INVALID_ARGUMENT: sampling.temperature must be <= 2 "

@@ -80,3 +80,28 @@ def test_per_benchmark_means_slice_the_per_prompt_values() -> None:
         "eval_accuracy_a": 0.75, "eval_accuracy_b": 1.0 / 3, "eval_greedy_accuracy_a": 1.0,
         "eval_greedy_accuracy_b": 1.0 / 3}
     assert per_set_means([("", 5)], per_prompt) == {}  # the eval split: no names, nothing extra
+
+
+def test_a_resumed_sink_shows_each_step_once_in_tensorboard(tmp_path: Path) -> None:
+    """A run logged steps 1..5, was killed, and resumes from its checkpoint of step 3: steps 4 and 5 run again. A
+    TensorBoard reader must see 1..6 once each (the soak's "every step once in the logger"), as metrics.jsonl does
+    after drop_after. Before the fix the second writer appended, and 4 and 5 showed twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsSink(tmp_path, tensorboard=True)
+    for step in range(1, 6):
+        first.write(step, {"policy_version": float(step)})
+    first.close()
+    resumed = MetricsSink(tmp_path, tensorboard=True, resumed_at=3)
+    resumed.drop_after(3)
+    for step in range(4, 7):
+        resumed.write(step, {"policy_version": 10.0 + step})
+    resumed.close()
+
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    events = acc.Scalars("train/policy_version")
+    assert [e.step for e in events] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in events] == [1.0, 2.0, 3.0, 14.0, 15.0, 16.0]  # the resumed run's values
+    assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
+        [1, 2, 3, 4, 5, 6]

@@ -210,6 +210,38 @@ def test_a_resume_drops_the_lines_of_steps_after_its_checkpoint(tmp_path: Path) 
     assert MetricsSink(tmp_path / "new", tensorboard=False).drop_after(0) == 0  # no file yet
 
 
+def test_a_line_a_full_disk_cuts_short_is_not_left_in_metrics_jsonl(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The soak's disk_full fault: the append of a step's line hit ENOSPC halfway, the run failed, and every resume
+    then failed reading metrics.jsonl (JSONDecodeError). A failed write leaves the file as it was; a tail torn by
+    the old code is dropped by the resume (that step runs again)."""
+    import errno
+    import os
+
+    sink = MetricsSink(tmp_path, tensorboard=False)
+    sink.write(1, {"x": 1.0})
+    real_write = os.write
+    calls = []
+
+    def full_disk(fd: int, data: bytes) -> int:  # the disk takes 10 bytes, then is full
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, bytes(data[:10]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        sink.write(2, {"x": 2.0})
+    monkeypatch.undo()
+    assert calls and (tmp_path / "metrics.jsonl").read_text() == json.dumps({"kind": "train", "step": 1, "x": 1.0}) \
+        + "\n"
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # what the old write left behind
+        f.write('{"kind": "train", "st')
+    assert sink.drop_after(1) == 1
+    sink.write(2, {"x": 2.0})
+    assert [json.loads(s)["step"] for s in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
 def test_untie_drops_tensors_that_share_storage() -> None:
     emb = torch.randn(5, 3)
     state = {"embed.weight": emb, "lm_head.weight": emb, "norm.weight": torch.ones(3), "view": emb[1:]}
