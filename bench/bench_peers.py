@@ -7,8 +7,7 @@
 
 Needs the optional extra `bench` (pip install -e ".[bench]": TRL and accelerate). Arms (`--arms`):
   sync    forkrl through its services (the rollout service behind gRPC + the trainer service, as compose.yaml
-          starts them), generate -> train -> push, the services' defaults otherwise: the rollout's --backend auto
-          generates with the torch backend at size tiny and with vLLM at 0.5b (--rollout-backend sets it)
+          starts them, vLLM's engine generating), generate -> train -> push, the services' defaults otherwise
   async   the same with --max-staleness 1 (the next batch is sampled while the trainer trains)
   trl     TRL's GRPOTrainer in this process (HF generate), torch threads = --trl-threads (bench/peers_trl.py
           lists every setting that is not TRL's default and why)
@@ -86,8 +85,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1, help="TRL's torch threads (default: "
                    "every core; the sync forkrl loop's phases take turns the same way)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--rollout-backend", choices=("auto", "vllm", "torch"), default="auto",
-                   help="the rollout service's --backend for the forkrl arms (default auto: its own rule)")
     p.add_argument("--smoke", action="store_true",
                    help="2 steps per run (also at 0.5b, whose shape shrinks to 8 x 2 x 8), 32 eval prompts")
     p.add_argument("--data-dir", type=Path, default=REPO_ROOT / "runs" / "bench-peers")
@@ -372,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             later = [] if size == "tiny" or not forkrl_arms else [a for a in args.arms if a == "trl"]
             with Stack(data_dir=args.data_dir, services=["rollout", "trainer"] if forkrl_arms else ["model"],
                        compose_files=compose, echo=False,
-                       env=free_ports() | {"ROLLOUT_BACKEND": args.rollout_backend}) as stack:
+                       env=free_ports()) as stack:
                 stub = (trainer_pb2_grpc.TrainerServiceStub(grpc_channel(stack.addresses["trainer"],
                                                                          token=stack.token))
                         if forkrl_arms else None)

@@ -155,6 +155,15 @@ def report(run_dir: Path, summary: dict, probe_dir: Path | None, curve: Path | N
     return "\n".join(out)
 
 
+def engine_line(address: str, token: str | None) -> str:
+    """What generates, from the rollout service's GetInfo: the demo's log names the engine that ran."""
+    from forkrl.remote.rollout import RolloutClient
+
+    with RolloutClient(address, token=token, timeout_s=60) as c:
+        e = c.info().engine
+    return f"[demo] rollout engine: {e.backend} {e.vllm_version} on {e.device}, {e.dtype}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from clients.stack import Stack
@@ -178,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     with Stack(data_dir=data, echo="launch") as stack:
         addr = stack.addresses
         print(f"[demo] stack up after {time.monotonic() - t0:.0f}s: {addr}", flush=True)
+        print(engine_line(addr["rollout"], stack.token), flush=True)
         cmd = [sys.executable, str(REPO_ROOT / "clients" / "start_run.py"),
                "--entropy-top-frac", str(args.entropy_top_frac), "--num-steps", str(args.num_steps),
                "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),

@@ -29,12 +29,10 @@ class RolloutSettings(TokenSettings):
     """Address to listen on. Any address but loopback needs a token (the service refuses to start without)."""
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port (0 = any free port, printed at start)."""
-    backend: Literal["auto", "vllm", "torch"] = "auto"
-    """What generates. vllm: vLLM's async engine; torch: forkrl's batched KV-cache sampler on the HF model in this
-    process (for models too small for vLLM's per-step overhead; no weight-transfer API, pushes by shm, stream or
-    path); auto: torch on a CPU for models of at most 20M parameters, vLLM otherwise (rollout_service/backends.py).
-    The engine settings below (kv_cache_gib, gpu_memory_utilization, enforce_eager, engine_mode, weight_transfer)
-    are vLLM's; their defaults depend on the device (rollout_service/engine_args.py)."""
+    backend: Literal["auto", "vllm"] = "auto"
+    """What generates: vLLM's async engine, always (auto and vllm both mean it; the flag stays so that launch lines
+    naming it keep working). The engine settings below (kv_cache_gib, gpu_memory_utilization, enforce_eager,
+    engine_mode, weight_transfer) are vLLM's; their defaults depend on the device (rollout_service/engine_args.py)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Engine dtype. float32 is the safe CPU default and matches the trainer's fp32 logprobs (to float32
     rounding); bfloat16 is faster but its logprobs differ from the trainer's by far more (the IS ratio and the
@@ -137,9 +135,9 @@ def apply_engine_env(settings: RolloutSettings) -> None:
 
     from forkrl.runtime import apply_runtime_env, mark_service_process
 
-    # torch.cuda.is_available() (--backend auto, rollout_service/backends.py) would initialize CUDA in this process
-    # before vLLM is imported (vLLM sets this variable on import: too late here); vLLM then forks its engine core
-    # into a process where CUDA cannot start. The NVML-based check answers without initializing CUDA.
+    # A torch.cuda.is_available() in this process before vLLM is imported (vLLM sets this variable on import: too
+    # late for a query made earlier) would initialize CUDA here; vLLM then forks its engine core into a process
+    # where CUDA cannot start. The NVML-based check answers without initializing CUDA.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     apply_runtime_env(threads=settings.threads)
     mark_service_process()  # the engine's processes end with this one, also on SIGKILL (worker_ext.py)

@@ -154,9 +154,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def load(self, make_backend: Callable[[RolloutSettings], Any] | None = None) -> None:
         """Start the engine (`make_backend` is the seam the plumbing tests use for a fake backend)."""
         if make_backend is None:
-            from rollout_service.backends import start_backend
+            from rollout_service.vllm_backend import VllmBackend
 
-            make_backend = start_backend
+            make_backend = VllmBackend.start
         backend = await make_backend(self.settings)
         self.engine = RolloutEngine(
             backend,

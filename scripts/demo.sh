@@ -5,7 +5,8 @@
 # by entropy bin, write the training curve PNG, stop everything, and print the path of the run's HTML report
 # (<run dir>/report.html: open it in a browser).
 #
-#   bash scripts/demo.sh                      # defaults: countdown, 200 steps, ~3.5 min after setup on 2 cores
+#   bash scripts/demo.sh                      # defaults: countdown, 200 steps (~3.5 min on 2 cores was timed with
+#                                             # the removed torch backend; with vLLM: not yet re-timed)
 #   bash scripts/demo.sh --seed 1             # another seed (data order, sampling, eval prompts)
 #   bash scripts/demo.sh --num-steps 100      # extra arguments go to clients/demo.py
 set -euo pipefail

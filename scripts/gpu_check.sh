@@ -25,7 +25,7 @@
 # >= 2 GPUs. One trainer rank trains in fp32 (FSDP2's bf16 compute is for > 1 rank), so the check lets cuBLAS
 # run fp32 matmuls in TF32 on every rank (PyTorch's TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, as NVIDIA's containers
 # set it; GPU_CHECK_TF32=0: plain fp32). The rollout starts as compose.gpu.yaml and the docs start it
-# (--backend auto: the NVML check before the first CUDA query; the engine's GPU defaults: CUDA graphs, the KV cache
+# (the NVML check before the first CUDA query; the engine's GPU defaults: CUDA graphs, the KV cache
 # from --gpu-memory-utilization); on 1 GPU with --gpu-memory-utilization 0.3 (compose's 1-GPU layout: vLLM wants
 # that fraction free at its start), and the trainer starts once vLLM is up.
 # After the run, on CUDA: >= 2 GPUs: a trainer killed mid-push (tests/rollout/transfer_trainer.py --mode
@@ -64,7 +64,7 @@ if [ "$DEVICE" = cuda ]; then
     echo "gpu_check: run 'bash scripts/gpu_check.sh --dry-run' for the same path on CPU with a tiny model." >&2
     exit 2
   fi
-  SIZE=1.5b; DTYPE=bfloat16; MAXLEN=1024; THREADS=4; TF32=${GPU_CHECK_TF32:-1}; BACKEND=auto; SIZING=()
+  SIZE=1.5b; DTYPE=bfloat16; MAXLEN=1024; THREADS=4; TF32=${GPU_CHECK_TF32:-1}; SIZING=()
   STEPS=${GPU_CHECK_STEPS:-10}; PROMPTS=${GPU_CHECK_PROMPTS:-32}; GROUP=${GPU_CHECK_GROUP:-8}
   MINI=${GPU_CHECK_MINI:-8}; MAXNEW=${GPU_CHECK_MAX_NEW:-256}; MICRO=16; TOKENS=4096
   ROLLOUT_GPUS=0
@@ -75,7 +75,7 @@ if [ "$DEVICE" = cuda ]; then
     SIZING=(--gpu-memory-utilization "${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.3}")  # beside the trainer (header)
   fi
 elif [ "$DEVICE" = cpu ]; then
-  NGPU=0; SIZE=tiny-1.5b; DTYPE=float32; MAXLEN=512; THREADS=1; TF32=0; BACKEND=vllm  # auto: torch at this size
+  NGPU=0; SIZE=tiny-1.5b; DTYPE=float32; MAXLEN=512; THREADS=1; TF32=0
   SIZING=(--kv-cache-gib "${ROLLOUT_KV_CACHE_GIB:-1}")
   STEPS=${GPU_CHECK_STEPS:-3}; PROMPTS=${GPU_CHECK_PROMPTS:-4}; GROUP=${GPU_CHECK_GROUP:-4}
   MINI=${GPU_CHECK_MINI:-2}; MAXNEW=${GPU_CHECK_MAX_NEW:-16}; MICRO=8; TOKENS=256; RANKS=${GPU_CHECK_RANKS:-2}
@@ -129,11 +129,11 @@ wait_healthy() {  # address pid name timeout_s
 XFER_TIMEOUT=${GPU_CHECK_TRANSFER_TIMEOUT_S:-60}
 start_rollout() {  # log file
   CUDA_VISIBLE_DEVICES=$ROLLOUT_GPUS setsid "$PY" -m rollout_service --model "$WORK/model" --port "$RPORT" \
-    --backend "$BACKEND" --dtype "$DTYPE" --max-model-len "$MAXLEN" --allowed-roots "$WORK" \
+    --dtype "$DTYPE" --max-model-len "$MAXLEN" --allowed-roots "$WORK" \
     --transfer-timeout-s "$XFER_TIMEOUT" "${SIZING[@]}" >"$1" 2>&1 &
   PIDS+=($!); RPID=$!
 }
-echo "== rollout service on ${ROLLOUT_GPUS:-cpu} (--backend $BACKEND, $DTYPE, ${SIZING[*]:-the engine defaults for a GPU}), port $RPORT"
+echo "== rollout service on ${ROLLOUT_GPUS:-cpu} ($DTYPE, ${SIZING[*]:-the engine defaults for a GPU}), port $RPORT"
 start_rollout "$WORK/rollout.log"
 # one GPU: vLLM refuses to start unless gpu_memory_utilization of the GPU is free, so the trainer waits
 [ "$NGPU" -eq 1 ] && wait_healthy "127.0.0.1:$RPORT" "$RPID" rollout 300
@@ -272,7 +272,7 @@ CHECK_RC=$?
 set -e
 
 # What CPU cannot show (header): each check prints its line; the summary lists them.
-CHECKED=("the run above through the compose/docs launch path (--backend $BACKEND${SIZING[*]:+, ${SIZING[*]}})")
+CHECKED=("the run above through the compose/docs launch path${SIZING[*]:+ (${SIZING[*]})}")
 SKIPPED=()
 EXTRA_RC=0
 health() { "$PY" clients/healthcheck.py grpc "127.0.0.1:$RPORT" >/dev/null 2>&1; }

@@ -298,7 +298,6 @@ def start_rollout_service(
     this process (which cannot reach another host's address).
     """
     settings.setdefault("allowed_roots", tempfile.gettempdir())  # where the tests keep their checkpoints
-    settings.setdefault("backend", "vllm")  # vLLM unless a test asks for the torch backend (auto picks it for tiny)
     cmd = [*launcher, sys.executable, "-m", "rollout_service", "--model", str(model_dir), "--port", "0",
            *_flags(settings)]
     env = {**os.environ, **(extra_env or {})}

@@ -1,7 +1,7 @@
 """The Docker stack end to end: scripts/docker_e2e.sh (image build, compose up, 3-step run, probe, down).
 
-compose.yaml's defaults as a user gets them: the rollout service's --backend auto serves the embedded tiny model
-with the torch backend here (tests/e2e/test_local_stack.py runs the same stack with vLLM's engine).
+compose.yaml's defaults as a user gets them: the rollout service serves the embedded tiny model with vLLM's engine
+(tests/e2e/test_local_stack.py runs the same stack without Docker).
 
 Not part of the default test command (pyproject: -m 'not docker'). Run it with
 

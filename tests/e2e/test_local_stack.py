@@ -65,10 +65,7 @@ def _stack_on_free_ports(data: Path, attempts: int = 3) -> Iterator:
         ports = {f"{n}_PORT": str(free_port()) for n in ("ROLLOUT", "TRAINER", "PROBE")}
         try:
             # FORKRL_TOKEN="" (not the suite's token): the stack must create its own and hand it out.
-            # ROLLOUT_BACKEND=vllm: this stack runs vLLM's engine (and its processes must all end with it); the
-            # Docker test (tests/e2e/test_docker.py) runs compose's default, auto (the torch backend for this model)
-            stack = Stack(data_dir=data, echo=False, timeout=600,
-                          env={**ports, "FORKRL_TOKEN": "", "ROLLOUT_BACKEND": "vllm"}).start()
+            stack = Stack(data_dir=data, echo=False, timeout=600, env={**ports, "FORKRL_TOKEN": ""}).start()
         except StackError as e:
             if attempt + 1 < attempts and _PORT_TAKEN.search(str(e)):
                 continue

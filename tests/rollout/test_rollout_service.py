@@ -1,7 +1,6 @@
-"""The rollout service end to end: `python -m rollout_service` over real gRPC, once with the real vLLM engine and
-once with the torch backend (`--backend torch`, what `auto` picks for small models on a CPU): the same contract.
+"""The rollout service end to end: `python -m rollout_service` over real gRPC with the real vLLM engine.
 
-One service per module and backend (vLLM's engine start ~15 s). The model is the embedded tiny model when
+One service per module (vLLM's engine start ~15 s). The model is the embedded tiny model when
 `forkrl.models.tiny` exists, else (or with FORKRL_TEST_RANDOM_MODEL=1) a random Llama built here: any local HF
 checkpoint directory must work. References are transformers forward passes with teacher forcing: float64 for the
 exact values, float32 for the size of float32 rounding (tests/numerics.py).
@@ -58,15 +57,13 @@ def staging(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("staging")
 
 
-@pytest.fixture(scope="module", params=["vllm", "torch"])
-def service(request: pytest.FixtureRequest, model_dir: Path, staging: Path) -> Iterator[ServiceAddress]:
-    # Every test of the contract runs against both backends: vLLM's engine and the torch backend (what
-    # --backend auto serves small models on a CPU with).
+@pytest.fixture(scope="module")
+def service(model_dir: Path, staging: Path) -> Iterator[ServiceAddress]:
     # expect_clean_stop: the module's teardown checks that SIGTERM stops the service and its engine.
     # swap_mode drain: test_health_is_not_serving_during_a_swap checks the drain; the default, inplace, is
     # tested against the real engine in test_swap_inplace.py
     with start_rollout_service(model_dir, seed=0, kv_cache_gib=1, staging_dir=staging, swap_mode="drain",
-                               backend=request.param, log_path=staging.parent / f"rollout-{request.param}.log",
+                               log_path=staging.parent / "rollout.log",
                                expect_clean_stop=True) as address:
         yield address
 
@@ -393,12 +390,9 @@ def test_info_reports_engine_and_counters(client: RolloutClient, model_dir: Path
     info = client.info()
     assert info.model == str(model_dir)
     assert info.engine.dtype == "float32" and info.engine.logprobs_mode == "processed_logprobs"
-    if info.engine.backend == "vllm":
-        assert info.engine.kv_cache_gib == 1 and info.engine.enforce_eager and info.engine.engine_mode == "uni"
-        assert info.engine.weight_transfer_backend == "gloo" and info.engine.vllm_version
-    else:  # the torch backend: no vLLM engine, no weight-transfer API (pushes by shm, stream or path)
-        assert info.engine.backend == "torch" and info.engine.engine_mode == "torch"
-        assert info.engine.weight_transfer_backend == "" and info.engine.weight_transfer_workers == 0
+    assert info.engine.backend == "vllm"
+    assert info.engine.kv_cache_gib == 1 and info.engine.enforce_eager and info.engine.engine_mode == "uni"
+    assert info.engine.weight_transfer_backend == "gloo" and info.engine.vllm_version
     c0 = info.counters
     trajs = list(client.generate(PROMPTS, n=3, temperature=1.0, max_new_tokens=8, seed=4))
     assert client.update_weights(hf.state_dict(), info.version + 1) == info.version + 1  # the same weights

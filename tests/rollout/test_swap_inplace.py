@@ -1,5 +1,5 @@
-"""A weight push applied in place while samples are generated (`--swap-mode inplace`, gRPC; the real vLLM engine
-and the torch backend).
+"""A weight push applied in place while samples are generated (`--swap-mode inplace`, gRPC, the real vLLM
+engine).
 
 The push replaces only `lm_head.weight` of the embedded tiny model (untied): the keys and values of every
 position are the same under both weights, so each served token's logprob must equal, to float32 rounding
@@ -28,14 +28,12 @@ pytestmark = pytest.mark.slow
 PROMPT = "hello world"  # out of distribution: the tiny model runs long on it
 
 
-@pytest.fixture(scope="module", params=["vllm", "torch"])
-def service(request: pytest.FixtureRequest, tiny_model_dir: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceAddress]:
-    """Swap mode inplace: vLLM's scheduler paused in its "keep" mode, the reload, resume; the torch backend's
-    decode loop waits at its next step boundary for the reload."""
+@pytest.fixture(scope="module")
+def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceAddress]:
+    """Swap mode inplace: vLLM's scheduler paused in its "keep" mode, the reload, resume."""
     staging = tmp_path_factory.mktemp("staging-inplace")
     with start_rollout_service(tiny_model_dir, seed=0, kv_cache_gib=1, staging_dir=staging, swap_mode="inplace",
-                               backend=request.param, log_path=staging / "rollout.log") as address:
+                               log_path=staging / "rollout.log") as address:
         yield address
 
 

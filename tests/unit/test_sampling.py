@@ -1,6 +1,6 @@
 """The one KV-cache sampler (forkrl/models/sampling.py): greedy is the argmax rollout, sampling draws from
-softmax(z / T) with a private seeded generator, responses end at (and keep) the first EOS, and both users
-(the tiny builder's evaluations and the probe) call it."""
+softmax(z / T) with a private seeded generator, responses end at (and keep) the first EOS, and its users
+(the tiny builder's evaluations, the probe's and the eval CLI's "transformers" routes) sample through it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import forkrl
-import forkrl.models.tiny as tiny
-import forkrl.probe.sampling as probe_sampling
+import forkrl.models.sampling as sampling
 from forkrl.models.sampling import sample_completions, sample_tokens, trim_at_eos
 
 EOS, PAD, V = 2, 0, 13
@@ -150,10 +148,52 @@ def test_sample_completions_is_text_up_to_eos(tmp_path: Path):
     assert texts == want
 
 
-def test_one_sampler_for_the_tiny_builder_and_the_probe():
-    assert tiny.sample_completions is sample_completions  # evaluate_accuracy -> the tiny builder's early stop
-    assert probe_sampling.sample_tokens is sample_tokens  # sample_trajectories -> the probe's responses
-    # and no second sampling loop anywhere in the core
-    root = Path(forkrl.__file__).parent
-    users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "torch.multinomial(" in p.read_text())
-    assert users == ["models/sampling.py"]
+def test_the_probe_and_eval_transformers_routes_sample_through_the_one_decode_loop(tmp_path: Path, monkeypatch):
+    """The probe's and the eval CLI's "transformers" sampler routes draw the very tokens a direct `sample_tokens`
+    call draws for the same prompts and seed (a route with a decode loop of its own, or its own seeding or row
+    order, draws others), and each one's tokens come out of the one decode loop (`_sample_batch`) as it runs."""
+    from forkrl.eval.params import EvalParams
+    from forkrl.eval.run import EvalPlan
+    from forkrl.eval.run import _sample as eval_sample
+    from forkrl.probe.checkpoints import CheckpointRef, load_checkpoint
+    from forkrl.probe.engines import encode_prompts
+    from forkrl.probe.params import ProbeParams
+    from forkrl.probe.worker import CheckpointProbe, Progress
+    from tests.service_fixtures import build_random_llama
+
+    d = build_random_llama(tmp_path / "m", hidden_size=32, num_layers=1)
+    model, tok = load_checkpoint(d, torch.float32, torch.device("cpu"))
+    texts = ["1+2=", "10+20+3=", "7=", "4+4="]  # two of one token length: they share a batch
+    ids = encode_prompts(tok, texts)
+    eos, pad, n, seed, max_new = [tok.eos_token_id], tok.pad_token_id, 3, 5, 8
+    direct = sample_tokens(model, [p for p in ids for _ in range(n)], temperature=1.0, max_new_tokens=max_new,
+                           eos_ids=eos, pad_id=pad, seed=seed)  # prompt-major: sample g of prompt i at i*n + g
+    assert len({tuple(t) for t, _ in direct}) > 1  # the draws differ: equal outputs below are not a coincidence
+
+    loop_calls: list[int] = []
+    one_loop = sampling._sample_batch
+
+    def counted(*args, **kwargs):
+        loop_calls.append(1)
+        return one_loop(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "_sample_batch", counted)
+    ref = CheckpointRef("base", d)
+
+    probe_params = ProbeParams(model=str(d), sampler="transformers", num_samples=n, seed=seed, temperature=1.0)
+    probe = CheckpointProbe(0, ref, probe_params, texts, max_new_tokens=max_new, reward="exact_match",
+                            tokenizer_fallback=None, device=torch.device("cpu"), progress=Progress(None, None, 1, 0))
+    probe_trajs = probe._sample(model, tok, eos, pad)
+    assert loop_calls, "the probe's transformers route sampled without the decode loop"
+    calls_before_eval = len(loop_calls)
+
+    eval_params = EvalParams(model=str(d), benchmarks=["sum3"], sampler="transformers", num_samples=n, seed=seed)
+    plan = EvalPlan(params=eval_params, checkpoints=[ref], benchmarks=[], prompt_format="raw", system_prompt="",
+                    reward="exact_match", temperature=1.0, max_new_tokens=max_new, ks=[1], run_config="")
+    eval_trajs = eval_sample(plan, ref, ids, eos, tok, "cpu")
+    assert len(loop_calls) > calls_before_eval, "the eval CLI's transformers route sampled without the decode loop"
+
+    for trajs in (probe_trajs, eval_trajs):
+        assert [(t.prompt_ids, t.response_ids, t.finished) for t in trajs] == [
+            (ids[i // n], *direct[i]) for i in range(len(direct))
+        ]
