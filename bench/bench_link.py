@@ -215,9 +215,9 @@ def main() -> int:
     for rate in args.rates.split(","):
         _rate_bits(rate)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rows = bench(args)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
+    rows = bench(args)
     print(f"\n{started}, commit {commit}, load average {os.getloadavg()[0]:.1f} at the end\n{HEADER}\n"
           + "|---" * 10 + "|")
     for row in rows:

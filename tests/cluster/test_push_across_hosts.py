@@ -2,9 +2,11 @@
 
 The trainer process (tests/rollout/transfer_trainer.py: the trainer's own `Rollouts.push`, --weight-sync transfer)
 runs on fk-host1 with TRAINER_TRANSFER_ADDRESS = its address; the rollout service (vLLM, TLS, the token) on fk-host2.
-Each simulated host has its own hostname resolving to its own address (cluster_sim's `unshare --uts`), but the
-weight group's gloo sockets are bound to the address on the route to the trainer whatever the name resolves to
-(tests/unit/test_weight_channel.py checks that at its seam). After the push the service serves the pushed weights:
+Both hosts keep the machine's hostname (`own_hostname=False`), which does not resolve
+inside the cluster: gloo's default device falls back to loopback there, as on a node whose name maps to 127.0.0.1,
+so a worker that let gloo pick its address would advertise 127.0.0.1 to the trainer and the push would fail; the
+weight group's sockets are bound to the address on the route to the trainer instead (tests/unit/
+test_weight_channel.py checks that at its seam). After the push the service serves the pushed weights:
 its log-probs, read from fk-host1 over TLS, equal the pushed weights' teacher-forced ones within the float32 bound
 of tests/numerics.py (as tests/rollout/test_weight_transfer.py checks on one host), and no longer the old ones.
 """
@@ -50,7 +52,7 @@ def test_an_authenticated_push_across_hosts_serves_the_trainers_weights(tiny_mod
 
         def on_trainer_host(*argv: str, timeout: float = 400) -> dict:
             out = cluster.run(trainer_host, [sys.executable, *argv], capture_output=True, text=True, env=env,
-                              cwd=REPO_ROOT, timeout=timeout)
+                              cwd=REPO_ROOT, timeout=timeout, own_hostname=False)
             lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
             assert out.returncode == 0 and (lines or argv[1] == "wait"), out.stdout + out.stderr[-4000:]
             return json.loads(lines[-1]) if lines else {}
@@ -61,7 +63,7 @@ def test_an_authenticated_push_across_hosts_serves_the_trainers_weights(tiny_mod
         with start_rollout_service(tiny_model_dir, log_path=tmp_path / "rollout.log", kv_cache_gib=1, seed=0,
                                    host=cluster.address(server_host), tls_cert_file=pki["cert"],
                                    tls_key_file=pki["key"], staging_dir=tmp_path / "staging", transfer_timeout_s=60,
-                                   launcher=cluster.argv(server_host, []), ready=ready) as service:
+                                   launcher=cluster.argv(server_host, [], own_hostname=False), ready=ready) as service:
             report = on_trainer_host("-m", "tests.rollout.transfer_trainer", "--address", service, "--model",
                                      str(tiny_model_dir), "--out", str(tmp_path / "pushed.safetensors"), "--seed",
                                      "1", "--run-id", "cluster-push", timeout=600)
