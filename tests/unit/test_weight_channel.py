@@ -157,3 +157,59 @@ def test_the_rendezvous_is_never_every_interface(monkeypatch: pytest.MonkeyPatch
         transfer_address()
     monkeypatch.setenv(TRANSFER_ADDRESS_ENV, "10.1.2.3:29500")
     assert transfer_address() == ("10.1.2.3", 29500)
+
+
+def _listening() -> set[tuple[str, int]]:
+    """(IPv4 address, port) of every TCP socket this process listens on (/proc/net/tcp, by the inodes of its fds)."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for line in open("/proc/self/net/tcp").read().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "0A" and f[9] in inodes:  # LISTEN
+            host, port = f[1].split(":")
+            out.add((socket.inet_ntoa(bytes.fromhex(host)[::-1]), int(port, 16)))
+    return out
+
+
+def test_the_group_listens_on_the_address_it_meets_on_not_the_host_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's pair sockets listen on the rendezvous address it was given, a worker's on its own address on
+    the route to it (`local_address`), never where the host name resolves: on a host whose name maps to 127.0.0.1
+    (every simulated host of scripts/cluster_sim.py without its own hostname; many real nodes) a worker advertised
+    loopback to the trainer and a cross-host push failed. Played on loopback: the store at 127.0.0.2, the worker's
+    route address 127.0.0.3 (the machine's name resolves to neither); the TCPStore on the given address only."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/net/tcp")
+    monkeypatch.setattr(tg, "local_address", lambda address, port: "127.0.0.3")
+    before = _listening()
+    listen = socket.create_server(("127.0.0.2", 0))
+    port = listen.getsockname()[1]
+    got: dict[int, Any] = {}
+    t = threading.Thread(target=lambda: got.__setitem__(1, tg._join("127.0.0.2", port, 1, 2, 30, SECRET)))
+    t.start()
+    sender = tg._join("127.0.0.2", port, 0, 2, 30, SECRET, listen=listen)
+    t.join(60)
+    try:
+        opened = _listening() - before
+        assert ("127.0.0.2", port) in opened  # the store
+        assert {a for a, _ in opened} == {"127.0.0.2", "127.0.0.3"}, opened  # pairs: sender's, worker's, nothing else
+        x = torch.arange(6, dtype=torch.float32)
+        y = torch.zeros(6)
+        works = [tg._post(sender, x), tg._post(got[1], y)]
+        for w in works:
+            w.wait()
+        assert torch.equal(x, y)
+    finally:
+        for g in (sender, got.get(1)):
+            if g is not None:
+                g.shutdown()
