@@ -1,6 +1,6 @@
 """The weight push against the link: the transfer route across simulated hosts with shaped links (root only).
 
-    sudo env PYTHONPATH=$PWD /work/main/.venv/bin/python bench/bench_link.py          # ~10 min: 2 sizes x 2 rates
+    sudo env PYTHONPATH=$PWD .venv/bin/python bench/bench_link.py         # 2 sizes x 2 rates x 1 and 2 hosts
     sudo env PYTHONPATH=$PWD python bench/bench_link.py --sizes 400m --rates 1gbit    # one size, one rate
 
 A simulated cluster (scripts/cluster_sim.py, 3 hosts): the trainer-side pusher on fk-host1 (this script's `push`
