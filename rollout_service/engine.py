@@ -2,22 +2,19 @@
 
 `RolloutEngine` owns everything but the model: validation (errors name the field and value), seeds derived
 per (seed, prompt, sample), the swap gate and the policy version, weight checks, counters. The model is
-behind the `Backend` protocol (`types.py`): `VllmBackend` (`vllm_backend.py`, the only code that touches
-vLLM) or a fake in the plumbing tests, so this logic is tested without a model. Pushed weights are received
-and verified in `receive.py`.
+behind the `Backend` protocol (`types.py`): `VllmBackend` (`vllm_backend.py`) or a fake in the plumbing tests, so
+this logic is tested without a model. Pushed weights are received and verified in `receive.py`.
 
 Swap protocols (`swap_mode`):
-- "inplace" (default): the weights are applied between two engine steps with the requests in flight kept
-  scheduled and the version bumped before any later token is seen: the backend pauses vLLM's scheduler in its
-  "keep" mode, reloads and resumes; generation stalls for the reload, never for the samples in flight
-  (bench/bench_swap.py measures it). A sample in
-  flight during a push continues under the new weights (its KV cache of earlier tokens stays), so its tokens
-  may come from two versions: it reports `policy_version` = the version served when it was submitted (no
-  older than its first token's) and `last_policy_version` = the version served when it finished (never older
-  than its last token's: the version is bumped before the engine resumes). Its per-token logprobs are those
-  of the weights that sampled each token, which is what the behaviour correction needs. The prefix cache is
-  salted with the weights (vllm_backend.py), so no later request reuses KV blocks of replaced weights.
-  Health stays SERVING.
+- "inplace" (default): the weights are applied between two engine steps with the requests in flight kept scheduled
+  and the version bumped before any later token is seen: the backend pauses vLLM's scheduler in its "keep" mode,
+  reloads and resumes; generation stalls for the reload, never for the samples in flight (bench/bench_swap.py
+  measures it). A sample in flight during a push continues under the new weights (its KV cache of earlier tokens
+  stays), so its tokens may come from two versions: it reports `policy_version` = the version served when it was
+  submitted (no older than its first token's) and `last_policy_version` = the version served when it finished (never
+  older than its last token's: the version is bumped before the engine resumes). Its per-token logprobs are those of
+  the weights that sampled each token, which is what the behaviour correction needs. The prefix cache is salted with
+  the weights (vllm_backend.py), so no later request reuses KV blocks of replaced weights. Health stays SERVING.
 - "drain" ("drain, then swap", see `gate.py`): a weight update closes the gate for new samples, waits until
   every sample already submitted to the engine has finished, reloads, resets the prefix cache, bumps the
   version and reopens the gate, so every trajectory reports the one version that produced it. Health is
