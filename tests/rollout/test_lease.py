@@ -160,6 +160,6 @@ def test_the_trainer_side_maps_versions_and_restores_lost_weights(served, tmp_pa
         r.release()
         assert c.info().lease_run_id == ""
     finally:
-        r.pool.shutdown()
+        r.executor.shutdown()
         for client in r.clients:
             client.close()

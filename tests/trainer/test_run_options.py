@@ -205,7 +205,7 @@ def test_a_second_rollout_engine_synced_sharded_pushed_and_stopped(
             try:
                 groups.append(r.generate(prompts, n=3, temperature=1.0, max_new_tokens=11, seed=42))
             finally:
-                r.pool.shutdown()
+                r.executor.shutdown()
                 for c in r.clients:
                     c.close()
         one, two = ([t for g in gs for t in g] for gs in groups)
