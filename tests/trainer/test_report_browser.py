@@ -61,10 +61,10 @@ def test_run_and_probe_reports_in_a_real_browser(rollout_address, trainer, tiny_
     evals = [m for m in metrics if m["kind"] == "eval"]
     assert len(train) == 3 and len(evals) == 3
 
-    # the probe job of two of its checkpoints, with its page
+    # the probe job of two of its checkpoints (step 2, an eval step that retention keeps, and final), with its page
     probe_dir = tmp_path / "probe"
     proc = subprocess.run([sys.executable, "-m", "forkrl.probe", "--checkpoint-root", str(run_dir / "checkpoints"),
-                           "--steps", "1", "--include-final", "--num-prompts", "4", "--num-samples", "4",
+                           "--steps", "2", "--include-final", "--num-prompts", "4", "--num-samples", "4",
                            "--max-positions-per-group", "4", "--bootstrap", "20", "--sampler", "transformers",
                            "--output-dir", str(probe_dir), "--no-progress", "--report"],
                           capture_output=True, text=True, timeout=900)
